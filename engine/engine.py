@@ -1,0 +1,244 @@
+"""LLMEngine: the offline API. `step()` is schedule → run → postprocess; `generate()` loops it."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from .config import EngineConfig
+from .detokenizer import IncrementalDetokenizer
+from .kv_cache import KVCache, page_bytes
+from .model.loader import LoadedModel, load_model
+from .pool import PagePool
+from .request import Request, RequestOutput, RequestStatus
+from .runner import ModelRunner
+from .sampler import sample
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+Prompt = str | Sequence[int]
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None):
+        """Load the model named by `config` (or reuse `loaded`) and size the pool."""
+        self.config = config = config or EngineConfig()
+        device = config.torch_device()
+        dtype = config.torch_dtype(device)
+        if loaded is None:
+            loaded = load_model(config.model, dtype, device, config.seed, config.max_model_len)
+        elif loaded.model.dtype != dtype or loaded.model.device.type != device.type:
+            raise ValueError(
+                f"the loaded model is {loaded.model.dtype} on {loaded.model.device}, "
+                f"the engine config asks for {dtype} on {device}"
+            )
+        self.loaded = loaded
+        self.tokenizer = loaded.tokenizer
+        model_config = loaded.config
+        self.max_model_len = min(
+            config.max_model_len or model_config.max_position_embeddings,
+            loaded.model.rope_cos.shape[0],
+        )
+        num_pages = config.num_pages or self._pages_that_fit(device, dtype)
+        self.pool = PagePool(num_pages)
+        self.cache = KVCache(model_config, num_pages, config.page_size, dtype, device)
+        self.scheduler = Scheduler(self.pool, config.page_size, config.max_num_seqs, config.max_batch_tokens)
+        self.runner = ModelRunner(loaded.model, self.cache)
+        eos = self.tokenizer.eos_token_ids if self.tokenizer else model_config.eos_token_ids
+        self.eos_token_ids = frozenset(eos)
+        self._requests: dict[str, Request] = {}
+        self._arrivals = itertools.count()
+        self._seeds = torch.Generator().manual_seed(config.seed)
+        log.info(
+            "engine ready: %s, %d pages of %d tokens (%.1f MiB), max_model_len %d",
+            loaded.source, num_pages, config.page_size,
+            num_pages * page_bytes(model_config, config.page_size, dtype) / 2**20, self.max_model_len,
+        )
+
+    def _pages_that_fit(self, device: torch.device, dtype: torch.dtype) -> int:
+        per_page = page_bytes(self.loaded.config, self.config.page_size, dtype)
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            budget = int(free * self.config.gpu_memory_fraction)
+        else:
+            budget = self.config.kv_cache_bytes
+        return max(1, budget // per_page)
+
+    # -- requests ---------------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        """Queue a prompt (text, or token ids) and return its request id."""
+        params = params or SamplingParams()
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer; pass prompt token ids instead of text")
+            text: str | None = prompt
+            ids = self.tokenizer.encode(prompt)
+        else:
+            text, ids = None, [int(t) for t in prompt]
+        self._check_prompt(ids, params)
+        arrival = next(self._arrivals)
+        request_id = request_id or f"req-{arrival}"
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        generator = None
+        if not params.greedy:
+            seed = params.seed if params.seed is not None else int(torch.randint(2**62, (1,), generator=self._seeds))
+            generator = torch.Generator().manual_seed(seed)
+        request = Request(request_id, ids, params, arrival, prompt=text, generator=generator)
+        if self.tokenizer is not None:
+            request.detokenizer = IncrementalDetokenizer(self.tokenizer.decode, ids)
+        self._requests[request_id] = request
+        self.scheduler.add(request)
+        return request_id
+
+    def _check_prompt(self, ids: list[int], params: SamplingParams) -> None:
+        if not ids:
+            raise ValueError("the prompt is empty: at least one token is needed")
+        vocab = self.loaded.config.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(ids)} tokens; the context holds {self.max_model_len}, "
+                "so the prompt must be shorter to leave room for output"
+            )
+        longest = min(len(ids) + params.max_tokens, self.max_model_len)
+        if self.scheduler.pages_for(longest) > self.pool.num_pages:
+            raise ValueError(
+                f"prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) needs "
+                f"{self.scheduler.pages_for(longest)} pages; the pool has {self.pool.num_pages}"
+            )
+
+    def abort(self, request_id: str) -> None:
+        request = self._requests.pop(request_id, None)
+        if request is not None and not request.finished:
+            self.scheduler.finish(request, "abort")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the loop ---------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one batch: schedule, run the model, append sampled tokens. Returns touched requests."""
+        scheduled = self.scheduler.schedule()
+        if not scheduled.chunks:
+            if self.scheduler.waiting and not self.scheduler.running:
+                raise RuntimeError("the scheduler could not admit any request into an empty pool")
+            return []
+        chunks = self.runner.order(scheduled.chunks)
+        logits = self.runner.execute(self.runner.build(chunks))
+        sampled = [c.request for c in chunks if c.samples]
+        tokens = sample(logits, sampled)
+        outputs: list[RequestOutput] = []
+        for chunk in chunks:
+            chunk.request.num_computed_tokens = chunk.end
+        for row, (request, token) in enumerate(zip(sampled, tokens, strict=True)):
+            if request.keep_logits:
+                request.last_logits = logits[row].cpu()
+            outputs.append(self._append_token(request, token))
+        return outputs
+
+    def _append_token(self, request: Request, token: int) -> RequestOutput:
+        params = request.params
+        request.output_token_ids.append(token)
+        emitted = len(request.text)
+        if request.detokenizer is not None and token not in self.eos_token_ids:
+            request.detokenizer.add(token)
+        reason: str | None = None
+        if token in self.eos_token_ids and not params.ignore_eos:
+            reason = "stop"
+        elif token in params.stop_token_ids:
+            reason, request.stop_reason = "stop", token
+        elif params.stop and request.detokenizer is not None and self._hit_stop_string(request, emitted):
+            reason = "stop"
+        elif len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.max_model_len:
+            reason = "length"
+        if reason is not None:
+            self.scheduler.finish(request, reason)
+            self._requests.pop(request.request_id, None)
+        return self._output(request, new_text=request.text[emitted:])
+
+    def _hit_stop_string(self, request: Request, checked_before: int) -> bool:
+        assert request.detokenizer is not None
+        text = request.detokenizer.text
+        longest = max(len(s) for s in request.params.stop)
+        start = max(0, checked_before - longest + 1)
+        hits = [(text.find(s, start), s) for s in request.params.stop]
+        hits = [(i, s) for i, s in hits if i >= 0]
+        if not hits:
+            return False
+        index, stop = min(hits)
+        end = index + len(stop) if request.params.include_stop_str_in_output else index
+        request.detokenizer.text = text[:end]
+        request.stop_reason = stop
+        return True
+
+    def _output(self, request: Request, new_text: str = "") -> RequestOutput:
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            token_ids=list(request.output_token_ids),
+            text=request.text,
+            finished=request.finished,
+            finish_reason=request.finish_reason,
+            new_text=new_text,
+            stop_reason=request.stop_reason,
+        )
+
+    # -- offline API --------------------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Run prompts to completion, all in one continuously batched run; outputs in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompt_list = list(prompts)  # type: ignore[arg-type]
+        if params is None or isinstance(params, SamplingParams):
+            param_list = [params or SamplingParams()] * len(prompt_list)
+        else:
+            param_list = list(params)
+            if len(param_list) != len(prompt_list):
+                raise ValueError(f"{len(prompt_list)} prompts but {len(param_list)} sampling params")
+        ids = [self.add_request(p, sp) for p, sp in zip(prompt_list, param_list, strict=True)]
+        results: dict[str, RequestOutput] = {}
+        while len(results) < len(ids):
+            for output in self.step():
+                if output.finished:
+                    results[output.request_id] = output
+        return [results[i] for i in ids]
+
+    def chat(self, messages: Sequence[dict[str, Any]], params: SamplingParams | None = None) -> RequestOutput:
+        """One conversation through the model's chat template."""
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer, so it cannot apply a chat template")
+        return self.generate([self.tokenizer.encode_chat(messages)], params)[0]
+
+    def next_token_logits(self, prompts: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        """Float32 next-token logits [vocab] after each prompt, computed through the paged cache."""
+        ids = [self.add_request(p, SamplingParams(max_tokens=1, temperature=0.0)) for p in prompts]
+        requests = [self._requests[i] for i in ids]
+        for request in requests:
+            request.keep_logits = True
+        while any(r.status is not RequestStatus.FINISHED for r in requests):
+            self.step()
+        logits = [r.last_logits for r in requests]
+        assert all(x is not None for x in logits)
+        return logits  # type: ignore[return-value]

@@ -1,0 +1,2 @@
+class ModelLoadError(ValueError):
+    """A model that cannot be loaded: the message names the file and what is wrong with it."""

@@ -1,0 +1,73 @@
+"""A request's state as it moves through the engine: waiting → running → finished (or back, if preempted)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from .detokenizer import IncrementalDetokenizer
+from .sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # the scheduler imports this module and must stay free of torch
+    import torch
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival: int  # admission order; earlier requests keep their pages when the pool runs out
+    prompt: str | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0  # tokens whose keys and values are in the cache
+    pages: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    num_preemptions: int = 0
+    detokenizer: IncrementalDetokenizer | None = None
+    generator: torch.Generator | None = None
+    stop_reason: str | int | None = None
+    keep_logits: bool = False
+    last_logits: torch.Tensor | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def token_at(self, index: int) -> int:
+        prompt_len = len(self.prompt_token_ids)
+        return self.prompt_token_ids[index] if index < prompt_len else self.output_token_ids[index - prompt_len]
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        return (self.prompt_token_ids + self.output_token_ids)[start:end]
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    @property
+    def text(self) -> str:
+        return self.detokenizer.text if self.detokenizer else ""
+
+
+@dataclass
+class RequestOutput:
+    """What the caller sees of a request after a step (or at the end of generate)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None
+    new_text: str = ""
+    stop_reason: str | int | None = None

@@ -1,0 +1,126 @@
+"""Continuous batching: which tokens of which requests run in the next step.
+
+Every step, requests join and leave the running batch. A request is a list of tokens of which the first
+`num_computed_tokens` have keys and values in the cache; a step computes the next chunk of each
+scheduled request, so a prefill and a decode are the same thing with different chunk lengths. Chunks
+fit a per-step token budget, which is how long prompts are prefilled in pieces beside running decodes.
+When the pool has no page for a running request, the most recently admitted request is preempted: its
+pages are freed and it goes back to the front of the queue, to be recomputed from its tokens later.
+
+Plain bookkeeping: no torch, tested on the CPU in milliseconds.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from .pool import PageKind, PagePool
+from .request import Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    request: Request
+    start: int  # index of the chunk's first token in the request's token list
+    num_tokens: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+    @property
+    def samples(self) -> bool:
+        """The chunk reaches the end of the request's tokens, so the step samples its next token."""
+        return self.end == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(chunk.num_tokens for chunk in self.chunks)
+
+
+class Scheduler:
+    def __init__(self, pool: PagePool, page_size: int, max_num_seqs: int, max_batch_tokens: int):
+        if page_size <= 0 or max_num_seqs <= 0 or max_batch_tokens <= 0:
+            raise ValueError("page_size, max_num_seqs and max_batch_tokens must be positive")
+        self.pool = pool
+        self.page_size = page_size
+        self.max_num_seqs = max_num_seqs
+        self.max_batch_tokens = max_batch_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order: the front has priority
+
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    def add(self, request: Request) -> None:
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_batch_tokens
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            count = min(request.num_tokens - request.num_computed_tokens, budget)
+            if self._reserve(request, request.num_computed_tokens + count):
+                out.chunks.append(ScheduledChunk(request, request.num_computed_tokens, count))
+                budget -= count
+                index += 1
+                continue
+            victim = self.running[-1]  # latest admitted, never one already scheduled this step
+            self.preempt(victim)
+            out.preempted.append(victim)
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
+            request = self.waiting[0]
+            count = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self._reserve(request, request.num_computed_tokens + count):
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.chunks.append(ScheduledChunk(request, request.num_computed_tokens, count))
+            budget -= count
+        return out
+
+    def _reserve(self, request: Request, num_tokens: int) -> bool:
+        """Make sure the request owns pages for `num_tokens` tokens; False if the pool cannot."""
+        needed = self.pages_for(num_tokens) - len(request.pages)
+        if needed <= 0:
+            return True
+        if not self.pool.can_allocate(needed):
+            return False
+        request.pages.extend(self.pool.allocate(needed, request.request_id, PageKind.KV))
+        return True
+
+    def preempt(self, request: Request) -> None:
+        """Free the request's pages and put it first in the queue; its tokens are recomputed later."""
+        self.running.remove(request)
+        self._release(request)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
+
+    def finish(self, request: Request, reason: str) -> None:
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self._release(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+
+    def _release(self, request: Request) -> None:
+        self.pool.free(request.pages, request.request_id)
+        request.pages = []

@@ -1,0 +1,1 @@
+"""The loraplex control plane: tenants, keys, adapters, quotas, usage and the OpenAI gateway."""
