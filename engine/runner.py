@@ -1,8 +1,9 @@
 """The only part of the engine that touches the device: builds a step's tensors and runs the model.
 
-A step's chunks are laid out as one flat token batch, decodes (one-token chunks) first, then prefill
-chunks. Linear layers see all tokens at once; attention splits them again: one batched paged-decode
-call for the decodes, one call per prefill chunk.
+A step's chunks are laid out as one flat token batch, decodes (one-token chunks) first, longest context
+first, then prefill chunks. Linear layers see all tokens at once; attention splits them again: one
+batched paged-decode call per group of decodes of similar context length (padding a short context to
+the longest one in its call is wasted work), one call per prefill chunk.
 """
 
 from __future__ import annotations
@@ -32,13 +33,40 @@ class PrefillSegment:
 
 
 @dataclass
+class DecodeGroup:
+    start: int  # rows [start, end) of the flat batch
+    end: int
+    block_tables: torch.Tensor  # [end - start, max_blocks]
+    context_lens: torch.Tensor  # [end - start]
+
+
+# A decode group closes when the next context needs fewer than this share of the group's widest pages.
+_GROUP_SHARE = 0.7
+_MIN_GROUP = 4
+
+
+def group_decodes(num_blocks: list[int]) -> list[tuple[int, int]]:
+    """Split decodes, sorted by block count descending, into [start, end) runs of similar width."""
+    groups: list[tuple[int, int]] = []
+    start = 0
+    for i in range(1, len(num_blocks) + 1):
+        at_end = i == len(num_blocks)
+        if at_end or (
+            num_blocks[i] < _GROUP_SHARE * num_blocks[start]
+            and i - start >= _MIN_GROUP
+            and len(num_blocks) - i >= _MIN_GROUP
+        ):
+            groups.append((start, i))
+            start = i
+    return groups
+
+
+@dataclass
 class StepBatch:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
     slots: torch.Tensor  # [T] page * page_size + offset of each token
-    num_decodes: int  # rows [0, num_decodes) are one-token chunks
-    decode_block_tables: torch.Tensor  # [num_decodes, max_blocks]
-    decode_context_lens: torch.Tensor  # [num_decodes]
+    decodes: list[DecodeGroup]  # together rows [0, num_decodes): one-token chunks
     prefills: list[PrefillSegment]
     logits_indices: torch.Tensor  # [S] rows whose next-token logits are sampled
 
@@ -55,14 +83,12 @@ class PagedAttention:
         b = self.batch
         k_cache, v_cache = self.cache.layer(layer)
         reference.write_kv(k_cache, v_cache, k, v, b.slots)
-        n = b.num_decodes
-        parts: list[torch.Tensor] = []
-        if n:
-            parts.append(
-                reference.paged_decode_attention(
-                    q[:n], k_cache, v_cache, b.decode_block_tables, b.decode_context_lens, self.scale
-                )
+        parts = [
+            reference.paged_decode_attention(
+                q[g.start : g.end], k_cache, v_cache, g.block_tables, g.context_lens, self.scale
             )
+            for g in b.decodes
+        ]
         for seg in b.prefills:
             if seg.fresh:
                 parts.append(
@@ -86,8 +112,9 @@ class ModelRunner:
         self.scale = model.config.head_dim**-0.5
 
     def order(self, chunks: Sequence[ScheduledChunk]) -> list[ScheduledChunk]:
-        """Decodes first, then prefill chunks: the layout `build` expects."""
-        return [c for c in chunks if c.num_tokens == 1] + [c for c in chunks if c.num_tokens > 1]
+        """Decodes first, longest context first, then prefill chunks: the layout `build` expects."""
+        decodes = sorted((c for c in chunks if c.num_tokens == 1), key=lambda c: -c.end)
+        return decodes + [c for c in chunks if c.num_tokens > 1]
 
     def build(self, chunks: Sequence[ScheduledChunk]) -> StepBatch:
         page_size = self.cache.page_size
@@ -115,19 +142,20 @@ class ModelRunner:
                 prefills.append(PrefillSegment(row, len(ids), chunk.end, table))
             if chunk.samples:
                 logits_rows.append(len(ids) - 1)
-        width = max((len(t) for t in decode_tables), default=0)
-        padded = [t + [0] * (width - len(t)) for t in decode_tables]  # page 0 rows are masked out
 
         def tensor(values: list[int] | list[list[int]]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.long, device=self.device)
 
+        decodes = []
+        for start, end in group_decodes([len(t) for t in decode_tables]):
+            width = len(decode_tables[start])  # the widest: sorted descending
+            padded = [t + [0] * (width - len(t)) for t in decode_tables[start:end]]  # masked out
+            decodes.append(DecodeGroup(start, end, tensor(padded), tensor(decode_lens[start:end])))
         return StepBatch(
             input_ids=tensor(ids),
             positions=tensor(positions),
             slots=tensor(slots),
-            num_decodes=len(decode_tables),
-            decode_block_tables=tensor(padded).view(len(padded), width),
-            decode_context_lens=tensor(decode_lens),
+            decodes=decodes,
             prefills=prefills,
             logits_indices=tensor(logits_rows),
         )

@@ -1,0 +1,74 @@
+"""The `loraplex` command."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from loraplex.engine import EngineConfig, LLMEngine, SamplingParams
+    from loraplex.engine.model.errors import ModelLoadError
+
+    try:
+        engine = LLMEngine(EngineConfig(model=args.model, device=args.device, dtype=args.dtype, seed=args.seed))
+        params = SamplingParams(
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            seed=args.seed,
+            stop=tuple(args.stop or ()),
+        )
+        if engine.tokenizer is None:
+            raise ValueError("this model has no tokenizer, so it cannot take a text prompt")
+        ids = (
+            engine.tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
+            if args.chat
+            else engine.tokenizer.encode(args.prompt)
+        )
+        output = engine.generate([ids], params)[0]
+    except (ModelLoadError, ValueError) as exc:
+        print(f"loraplex generate: {exc}", file=sys.stderr)
+        return 2
+    sys.stdout.write(output.text)
+    if not output.text.endswith("\n"):
+        sys.stdout.write("\n")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="loraplex", description="Serve many LoRA fine-tunes of one model.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    gen = commands.add_parser("generate", help="complete one prompt and print only the completion")
+    gen.add_argument("--prompt", required=True, help="the prompt text")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    gen.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate (default 128)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=0, help="seed for sampling and random weights")
+    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.add_argument("--model", default=None, help="a .gguf file, a Hugging Face directory, or random:<shape>")
+    gen.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    gen.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    gen.set_defaults(handler=_generate)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    return int(args.handler(args))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

