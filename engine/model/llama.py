@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
+from .errors import ModelLoadError
 from .rope import apply_rotary, cos_sin_table
 
 # (layer index, q [T, heads, D], k [T, kv_heads, D], v [T, kv_heads, D]) -> [T, heads, D]
@@ -127,19 +128,17 @@ class LlamaModel(nn.Module):
         """Copy Hugging Face-named tensors (model.layers.0.self_attn.q_proj.weight, ...) into place.
 
         Every tensor is checked against the config first: a wrong shape or a missing tensor raises one
-        ValueError that names it.
+        ModelLoadError that names it.
         """
         expected = expected_shapes(self.config)
         missing = [name for name in expected if name not in weights and not _is_optional(name, self.config)]
         if missing:
-            raise ValueError(f"checkpoint is missing {len(missing)} tensor(s), first: {missing[0]}")
-        for name, tensor in weights.items():
-            if name not in expected:
-                continue  # rotary caches and other extras some checkpoints carry
-            if tuple(tensor.shape) != expected[name]:
-                raise ValueError(
-                    f"shape mismatch for {name}: checkpoint has {tuple(tensor.shape)}, "
-                    f"the model config expects {expected[name]}"
+            raise ModelLoadError(f"checkpoint is missing {len(missing)} tensor(s), first: {missing[0]}")
+        for name, shape in expected.items():  # model order, so the first mismatch is the one reported
+            if name in weights and tuple(weights[name].shape) != shape:
+                raise ModelLoadError(
+                    f"shape mismatch for {name}: checkpoint has {tuple(weights[name].shape)}, "
+                    f"the model config expects {shape}"
                 )
         with torch.no_grad():
             self.embed_tokens.copy_(weights["model.embed_tokens.weight"])
