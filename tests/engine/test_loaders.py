@@ -143,8 +143,8 @@ def write_gguf(path: Path, state: dict[str, torch.Tensor], config: ModelConfig, 
             array = _llama_cpp_permute(array, config.num_kv_heads)
         if gguf_name == q8_1_tensor:
             rows, cols = array.shape
-            block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.Q8_1]
-            raw = np.zeros((rows, cols // block * size), dtype=np.uint8)
+            block_size, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.Q8_1]
+            raw = np.zeros((rows, cols // block_size * type_size), dtype=np.uint8)
             writer.add_tensor(gguf_name, raw, raw_dtype=gguf.GGMLQuantizationType.Q8_1)
         else:
             writer.add_tensor(gguf_name, np.ascontiguousarray(array))
