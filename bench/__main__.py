@@ -11,7 +11,9 @@ from . import offline
 def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m loraplex.bench")
     commands = parser.add_subparsers(dest="command", required=True)
-    offline.add_arguments(commands.add_parser("offline", help=offline.__doc__.splitlines()[0] if offline.__doc__ else ""))
+    offline.add_arguments(
+        commands.add_parser("offline", help=offline.__doc__.splitlines()[0] if offline.__doc__ else "")
+    )
     args = parser.parse_args()
     return int(args.run(args))
 

@@ -14,6 +14,7 @@ import platform
 import random
 import time
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 
@@ -57,7 +58,9 @@ def run_transformers(dtype: str, prompts: list[list[int]], new_tokens: int, batc
     from loraplex.engine.model.loader import default_model_path
 
     path = default_model_path()
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=getattr(torch, dtype))
+    model: Any = AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=getattr(torch, dtype)
+    )
     model.eval()
     pad = 2
     generated = 0
@@ -100,7 +103,8 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"offline benchmark: {args.requests} requests, prompts {args.min_prompt}-{args.max_prompt} tokens "
         f"({sum(map(len, prompts))} in all), {args.new_tokens} new tokens each; "
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.processor() or platform.machine()}"
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
+        f"{platform.processor() or platform.machine()}"
     )
     print(f"{'system':<14}{'dtype':<10}{'seconds':>9}{'gen tok/s':>11}{'ratio':>8}")
     for dtype in args.dtypes.split(","):

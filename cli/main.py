@@ -13,7 +13,9 @@ def _generate(args: argparse.Namespace) -> int:
     from loraplex.engine.model.errors import ModelLoadError
 
     try:
-        engine = LLMEngine(EngineConfig(model=args.model, device=args.device, dtype=args.dtype, seed=args.seed))
+        engine = LLMEngine(
+            EngineConfig(model=args.model, device=args.device, dtype=args.dtype, seed=args.seed)
+        )
         params = SamplingParams(
             max_tokens=args.max_tokens,
             temperature=args.temperature,
@@ -53,7 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--seed", type=int, default=0, help="seed for sampling and random weights")
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
-    gen.add_argument("--model", default=None, help="a .gguf file, a Hugging Face directory, or random:<shape>")
+    gen.add_argument(
+        "--model", default=None, help="a .gguf file, a Hugging Face directory, or random:<shape>"
+    )
     gen.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     gen.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
     gen.set_defaults(handler=_generate)

@@ -41,7 +41,7 @@ class LLMEngine:
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
         model_config = loaded.config
-        self.max_model_len = min(
+        self.max_model_len: int = min(
             config.max_model_len or model_config.max_position_embeddings,
             loaded.model.rope_cos.shape[0],
         )
@@ -57,8 +57,11 @@ class LLMEngine:
         self._seeds = torch.Generator().manual_seed(config.seed)
         log.info(
             "engine ready: %s, %d pages of %d tokens (%.1f MiB), max_model_len %d",
-            loaded.source, num_pages, config.page_size,
-            num_pages * page_bytes(model_config, config.page_size, dtype) / 2**20, self.max_model_len,
+            loaded.source,
+            num_pages,
+            config.page_size,
+            num_pages * page_bytes(model_config, config.page_size, dtype) / 2**20,
+            self.max_model_len,
         )
 
     def _pages_that_fit(self, device: torch.device, dtype: torch.dtype) -> int:
@@ -94,7 +97,11 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         generator = None
         if not params.greedy:
-            seed = params.seed if params.seed is not None else int(torch.randint(2**62, (1,), generator=self._seeds))
+            seed = (
+                params.seed
+                if params.seed is not None
+                else int(torch.randint(2**62, (1,), generator=self._seeds))
+            )
             generator = torch.Generator().manual_seed(seed)
         request = Request(request_id, ids, params, arrival, prompt=text, generator=generator)
         if self.tokenizer is not None:
@@ -208,9 +215,11 @@ class LLMEngine:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
         """Run prompts to completion, all in one continuously batched run; outputs in prompt order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        prompt_list = list(prompts)  # type: ignore[arg-type]
+        prompt_list: list[Prompt] = (
+            [prompts]  # type: ignore[list-item]
+            if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int))
+            else list(prompts)  # type: ignore[arg-type]
+        )
         if params is None or isinstance(params, SamplingParams):
             param_list = [params or SamplingParams()] * len(prompt_list)
         else:

@@ -25,8 +25,14 @@ class KVCache:
         self.num_pages = num_pages
         # Zeros, not empty: padded attention reads masked rows, and 0 * NaN would poison the output.
         self.memory = torch.zeros(
-            config.num_layers, 2, config.num_kv_heads, num_pages, page_size, config.head_dim,
-            dtype=dtype, device=device,
+            config.num_layers,
+            2,
+            config.num_kv_heads,
+            num_pages,
+            page_size,
+            config.head_dim,
+            dtype=dtype,
+            device=device,
         )
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Hashable, Iterable
-from enum import Enum
+from enum import StrEnum
 
 
-class PageKind(str, Enum):
+class PageKind(StrEnum):
     KV = "kv"
     ADAPTER = "adapter"
 
@@ -52,7 +52,9 @@ class PagePool:
         for page in pages:
             held = self._owner.get(page)
             if held is None or held[0] != owner:
-                raise ValueError(f"page {page} is not owned by {owner!r} (owner: {held[0] if held else None!r})")
+                raise ValueError(
+                    f"page {page} is not owned by {owner!r} (owner: {held[0] if held else None!r})"
+                )
         for page in pages:
             del self._owner[page]
             self._free.append(page)

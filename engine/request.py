@@ -44,7 +44,9 @@ class Request:
 
     def token_at(self, index: int) -> int:
         prompt_len = len(self.prompt_token_ids)
-        return self.prompt_token_ids[index] if index < prompt_len else self.output_token_ids[index - prompt_len]
+        return (
+            self.prompt_token_ids[index] if index < prompt_len else self.output_token_ids[index - prompt_len]
+        )
 
     def tokens(self, start: int, end: int) -> list[int]:
         return (self.prompt_token_ids + self.output_token_ids)[start:end]

@@ -92,8 +92,9 @@ class PagedAttention:
         for seg in b.prefills:
             if seg.fresh:
                 parts.append(
-                    reference.causal_attention(q[seg.start : seg.end], k[seg.start : seg.end],
-                                               v[seg.start : seg.end], self.scale)
+                    reference.causal_attention(
+                        q[seg.start : seg.end], k[seg.start : seg.end], v[seg.start : seg.end], self.scale
+                    )
                 )
             else:
                 parts.append(

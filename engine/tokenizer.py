@@ -67,7 +67,9 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return str(self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens))
 
-    def apply_chat_template(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(
+        self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> str:
         """The prompt text for a conversation, rendered with the model's own template."""
         if not self.chat_template:
             raise TokenizerError("this model has no chat template; send a plain prompt instead of messages")
@@ -82,9 +84,13 @@ class Tokenizer:
             eos_token=self.eos_token or "",
         )
 
-    def encode_chat(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(
+        self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> list[int]:
         # The template writes any BOS itself, so none is added again (as Hugging Face does).
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+        return self.encode(
+            self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False
+        )
 
     @classmethod
     def from_directory(cls, directory: str | Path) -> Tokenizer:
@@ -145,7 +151,11 @@ class Tokenizer:
             ]
         )
         backend.add_tokens(
-            [AddedToken(t, normalized=False) for t, kind_ in zip(tokens, types, strict=False) if kind_ == _USER_DEFINED]
+            [
+                AddedToken(t, normalized=False)
+                for t, kind_ in zip(tokens, types, strict=False)
+                if kind_ == _USER_DEFINED
+            ]
         )
 
         def token_at(key: str) -> str | None:
@@ -156,7 +166,10 @@ class Tokenizer:
         eos_ids = tuple(
             dict.fromkeys(
                 int(i)
-                for i in (metadata.get("tokenizer.ggml.eos_token_id"), metadata.get("tokenizer.ggml.eot_token_id"))
+                for i in (
+                    metadata.get("tokenizer.ggml.eos_token_id"),
+                    metadata.get("tokenizer.ggml.eot_token_id"),
+                )
                 if i is not None
             )
         )
@@ -178,7 +191,8 @@ def _gguf_pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
         )
     if pre not in _PRE_TOKENIZER_SPLITS:
         raise TokenizerError(
-            f"GGUF pre-tokenizer {pre!r} is not supported; known: {', '.join(sorted([*_PRE_TOKENIZER_SPLITS, 'smollm']))}"
+            f"GGUF pre-tokenizer {pre!r} is not supported; "
+            f"known: {', '.join(sorted([*_PRE_TOKENIZER_SPLITS, 'smollm']))}"
         )
     split = _PRE_TOKENIZER_SPLITS[pre]
     if split is None:
@@ -200,7 +214,9 @@ def _byte_level_spelling(token: str, alphabet: list[str]) -> str:
 
 
 def _bytes_to_unicode() -> list[str]:
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
+    printable = (
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
+    )
     chars = {b: chr(b) for b in printable}
     extra = 0
     for b in range(256):

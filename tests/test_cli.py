@@ -17,7 +17,10 @@ LORAPLEX = str(Path(sys.executable).parent / "loraplex")
 def test_generate_chat_prints_only_the_answer() -> None:
     result = subprocess.run(
         [LORAPLEX, "generate", "--chat", "--prompt", "What is the capital of France?", "--max-tokens", "20"],
-        capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONWARNINGS": "ignore"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout == "The capital of France is Paris.\n"
@@ -26,7 +29,9 @@ def test_generate_chat_prints_only_the_answer() -> None:
 def test_generate_reports_a_bad_model_path_on_stderr(tmp_path: Path) -> None:
     result = subprocess.run(
         [LORAPLEX, "generate", "--prompt", "hi", "--model", str(tmp_path / "missing.gguf")],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 2
     assert result.stdout == ""

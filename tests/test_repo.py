@@ -37,7 +37,8 @@ def test_operator_folder_has_no_top_level_init() -> None:
 
 def test_folders_map_into_one_namespace() -> None:
     code = (
-        "import loraplex.engine, loraplex.adapters, loraplex.web, loraplex.operator, loraplex.cli, loraplex.bench\n"
+        "import loraplex.engine, loraplex.adapters, loraplex.web, loraplex.operator\n"
+        "import loraplex.cli, loraplex.bench\n"
         "import pathlib\n"
         "print(pathlib.Path(loraplex.engine.__file__).parent.name)\n"
         "print(list(loraplex.operator.__path__)[0])"

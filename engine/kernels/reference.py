@@ -85,7 +85,9 @@ def prefill_attention(
     Semantics: out[i] = softmax(q[i] · K[:p_i+1]^T * scale) V[:p_i+1], p_i = context_len - T + i.
     """
     num_new = q.shape[0]
-    keys = gather_pages(k_cache, block_table[None])[:, :, :context_len].transpose(0, 1)  # [1, kv_heads, ctx, D]
+    keys = gather_pages(k_cache, block_table[None])[:, :, :context_len].transpose(
+        0, 1
+    )  # [1, kv_heads, ctx, D]
     values = gather_pages(v_cache, block_table[None])[:, :, :context_len].transpose(0, 1)
     key_pos = torch.arange(context_len, device=q.device)
     query_pos = torch.arange(context_len - num_new, context_len, device=q.device)

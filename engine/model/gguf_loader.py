@@ -50,7 +50,8 @@ def config_from_metadata(metadata: dict[str, Any], path: Path) -> ModelConfig:
     arch = metadata.get("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(
-            f"{path}: GGUF architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            f"{path}: GGUF architecture {arch!r} is not supported; "
+            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
 
     def get(key: str, default: Any = None) -> Any:
@@ -90,7 +91,9 @@ def _optional_int(value: Any) -> int | None:
 def _unpermute(weight: np.ndarray, heads: int) -> np.ndarray:
     # llama.cpp reorders q and k rows so rotary pairs sit side by side; undo it for rotate-half RoPE.
     rows = weight.shape[0]
-    return weight.reshape(heads, rows // heads // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+    return (
+        weight.reshape(heads, rows // heads // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+    )
 
 
 def load_gguf(path: Path) -> tuple[ModelConfig, dict[str, Any], dict[str, torch.Tensor]]:
@@ -111,7 +114,9 @@ def load_gguf(path: Path) -> tuple[ModelConfig, dict[str, Any], dict[str, torch.
         name = _hf_name(tensor.name)
         if name is None:
             if tensor.name == "rope_freqs.weight":
-                raise ModelLoadError(f"{path}: per-frequency RoPE factors (rope_freqs.weight) are not supported")
+                raise ModelLoadError(
+                    f"{path}: per-frequency RoPE factors (rope_freqs.weight) are not supported"
+                )
             continue
         try:
             values = dequantize(tensor.data, tensor.tensor_type)

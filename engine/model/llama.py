@@ -9,6 +9,7 @@ Q, K and V share one matmul, as do gate and up: fewer, larger matmuls are what a
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -34,10 +35,12 @@ class DecoderLayer(nn.Module):
         super().__init__()
         c = config
         self.config = c
-        kw = {"dtype": dtype, "device": device}
+        kw: dict[str, Any] = {"dtype": dtype, "device": device}
         self.input_norm = nn.Parameter(torch.ones(c.hidden_size, **kw), requires_grad=False)
         self.post_attention_norm = nn.Parameter(torch.ones(c.hidden_size, **kw), requires_grad=False)
-        self.qkv_proj = nn.Parameter(torch.empty(c.q_size + 2 * c.kv_size, c.hidden_size, **kw), requires_grad=False)
+        self.qkv_proj = nn.Parameter(
+            torch.empty(c.q_size + 2 * c.kv_size, c.hidden_size, **kw), requires_grad=False
+        )
         self.qkv_bias = (
             nn.Parameter(torch.zeros(c.q_size + 2 * c.kv_size, **kw), requires_grad=False)
             if c.attention_bias
@@ -47,7 +50,9 @@ class DecoderLayer(nn.Module):
         self.gate_up_proj = nn.Parameter(
             torch.empty(2 * c.intermediate_size, c.hidden_size, **kw), requires_grad=False
         )
-        self.down_proj = nn.Parameter(torch.empty(c.hidden_size, c.intermediate_size, **kw), requires_grad=False)
+        self.down_proj = nn.Parameter(
+            torch.empty(c.hidden_size, c.intermediate_size, **kw), requires_grad=False
+        )
 
     def forward(
         self,
@@ -61,10 +66,11 @@ class DecoderLayer(nn.Module):
         tokens = hidden.shape[0]
         x = rms_norm(hidden, self.input_norm, c.rms_norm_eps)
         qkv = F.linear(x, self.qkv_proj, self.qkv_bias)  # [T, q + 2 kv]
-        q = apply_rotary(qkv[:, : c.q_size].view(tokens, c.num_heads, c.head_dim), cos, sin)
-        k = apply_rotary(
-            qkv[:, c.q_size : c.q_size + c.kv_size].view(tokens, c.num_kv_heads, c.head_dim), cos, sin
+        # q and k heads rotate together: one rotary call instead of two.
+        qk = apply_rotary(
+            qkv[:, : c.q_size + c.kv_size].view(tokens, c.num_heads + c.num_kv_heads, c.head_dim), cos, sin
         )
+        q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]
         v = qkv[:, c.q_size + c.kv_size :].view(tokens, c.num_kv_heads, c.head_dim)
         attn = attention(index, q, k, v)  # [T, heads, D]
         hidden = hidden + F.linear(attn.reshape(tokens, c.q_size), self.o_proj)
@@ -75,6 +81,9 @@ class DecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     """Weights and forward pass; knows nothing of pages, requests or sampling."""
+
+    rope_cos: torch.Tensor  # [max_positions, head_dim]
+    rope_sin: torch.Tensor
 
     def __init__(
         self,
@@ -87,7 +96,7 @@ class LlamaModel(nn.Module):
         c = config
         self.config = c
         self.dtype = dtype
-        kw = {"dtype": dtype, "device": device}
+        kw: dict[str, Any] = {"dtype": dtype, "device": device}
         self.embed_tokens = nn.Parameter(torch.empty(c.vocab_size, c.hidden_size, **kw), requires_grad=False)
         self.layers = nn.ModuleList(DecoderLayer(c, dtype, device) for _ in range(c.num_layers))
         self.norm = nn.Parameter(torch.ones(c.hidden_size, **kw), requires_grad=False)
@@ -145,7 +154,8 @@ class LlamaModel(nn.Module):
             self.norm.copy_(weights["model.norm.weight"])
             if self.lm_head is not None:
                 self.lm_head.copy_(weights.get("lm_head.weight", weights["model.embed_tokens.weight"]))
-            for i, layer in enumerate(self.layers):
+            for i, module in enumerate(self.layers):
+                layer = cast(DecoderLayer, module)
                 p = f"model.layers.{i}."
                 attn = [weights[f"{p}self_attn.{n}_proj.weight"] for n in ("q", "k", "v")]
                 layer.qkv_proj.copy_(torch.cat(attn, dim=0))

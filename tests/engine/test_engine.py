@@ -35,8 +35,10 @@ def test_requests_joining_mid_run_get_the_same_tokens_as_alone(engine: LLMEngine
 def test_chunked_prefill_gives_the_same_tokens(smollm2, engine: LLMEngine) -> None:
     prompt = "Tell me about the ocean. " * 12
     whole = engine.generate([prompt], GREEDY)[0].token_ids
-    chunked = LLMEngine(EngineConfig(device="cpu", dtype="float32", max_batch_tokens=16, max_num_seqs=4,
-                                     num_pages=64), loaded=smollm2)
+    chunked = LLMEngine(
+        EngineConfig(device="cpu", dtype="float32", max_batch_tokens=16, max_num_seqs=4, num_pages=64),
+        loaded=smollm2,
+    )
     assert chunked.generate([prompt], GREEDY)[0].token_ids == whole
 
 
@@ -84,7 +86,9 @@ def test_engine_config_is_validated() -> None:
 
 def test_random_weights_model_takes_token_ids() -> None:
     engine = LLMEngine(EngineConfig(model="random:tiny", device="cpu", num_pages=32))
-    outputs = engine.generate([[1, 2, 3], [4, 5]], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    outputs = engine.generate(
+        [[1, 2, 3], [4, 5]], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    )
     assert [len(o.token_ids) for o in outputs] == [6, 6]
     with pytest.raises(ValueError, match="no tokenizer"):
         engine.add_request("text", GREEDY)
@@ -95,6 +99,8 @@ def test_bfloat16_engine_answers_sensibly(smollm2) -> None:
 
     loaded = load_model(None, dtype=__import__("torch").bfloat16)
     engine = LLMEngine(EngineConfig(device="cpu", dtype="bfloat16"), loaded=loaded)
-    out = engine.chat([{"role": "user", "content": "What is the capital of France?"}],
-                      SamplingParams(max_tokens=20, temperature=0.0))
+    out = engine.chat(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        SamplingParams(max_tokens=20, temperature=0.0),
+    )
     assert "Paris" in out.text

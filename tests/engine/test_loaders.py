@@ -25,8 +25,15 @@ def tiny_hf_model(tmp_path: Path, model_type: str = "llama", **extra):
     import transformers
 
     kwargs = dict(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
     )
     kwargs.update(extra)
     if model_type == "qwen2":
@@ -49,7 +56,9 @@ def our_logits(model: LlamaModel, ids: list[int]) -> torch.Tensor:
     scale = model.config.head_dim**-0.5
     with torch.inference_mode():
         return model(
-            torch.tensor(ids), torch.arange(len(ids)), lambda i, q, k, v: causal_attention(q, k, v, scale),
+            torch.tensor(ids),
+            torch.arange(len(ids)),
+            lambda i, q, k, v: causal_attention(q, k, v, scale),
             torch.arange(len(ids)),
         )
 
@@ -68,9 +77,19 @@ IDS = [5, 17, 42, 99, 3, 250, 7, 64, 128, 1, 77, 200]
     [
         ("llama", {}),
         ("llama", {"tie_word_embeddings": True}),
-        ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
-                   "rope_theta": 500000.0}),
+        (
+            "llama",
+            {
+                "rope_scaling": {
+                    "rope_type": "llama3",
+                    "factor": 8.0,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 64,
+                },
+                "rope_theta": 500000.0,
+            },
+        ),
         ("qwen2", {}),
     ],
 )
@@ -85,22 +104,36 @@ def test_llama3_rope_frequencies_match_transformers() -> None:
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 8192}
-    hf_config = LlamaConfig(hidden_size=4096, num_attention_heads=32, rope_theta=500000.0, rope_scaling=scaling)
+    scaling = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    hf_config = LlamaConfig(
+        hidden_size=4096, num_attention_heads=32, rope_theta=500000.0, rope_scaling=scaling
+    )
     expected, _ = ROPE_INIT_FUNCTIONS["llama3"](hf_config, "cpu")
     ours = inverse_frequencies(named_shape("llama3-8b"))
     torch.testing.assert_close(ours, expected.float(), rtol=1e-6, atol=0)
 
 
 def _llama_cpp_permute(weight: np.ndarray, heads: int) -> np.ndarray:
-    return weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(
-        weight.shape
+    return (
+        weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
     )
 
 
-def write_gguf(path: Path, state: dict[str, torch.Tensor], config: ModelConfig, arch: str = "llama",
-               q8_1_tensor: str | None = None) -> None:
+def write_gguf(
+    path: Path,
+    state: dict[str, torch.Tensor],
+    config: ModelConfig,
+    arch: str = "llama",
+    q8_1_tensor: str | None = None,
+) -> None:
     """A GGUF the way llama.cpp's converter writes one (q and k rows permuted), with a byte-level vocab."""
     import gguf
 
@@ -123,13 +156,22 @@ def write_gguf(path: Path, state: dict[str, torch.Tensor], config: ModelConfig, 
     writer.add_token_merges(["Ġ t"])
     writer.add_token_types([1] * (len(tokens) - 1) + [3])
     writer.add_eos_token_id(len(tokens) - 1)
-    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-             "lm_head.weight": "output.weight"}
-    block = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
-             "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
-             "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
-             "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
-             "mlp.down_proj.weight": "ffn_down.weight"}
+    names = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }
+    block = {
+        "input_layernorm.weight": "attn_norm.weight",
+        "post_attention_layernorm.weight": "ffn_norm.weight",
+        "self_attn.q_proj.weight": "attn_q.weight",
+        "self_attn.k_proj.weight": "attn_k.weight",
+        "self_attn.v_proj.weight": "attn_v.weight",
+        "self_attn.o_proj.weight": "attn_output.weight",
+        "mlp.gate_proj.weight": "ffn_gate.weight",
+        "mlp.up_proj.weight": "ffn_up.weight",
+        "mlp.down_proj.weight": "ffn_down.weight",
+    }
     for name, tensor in state.items():
         if name.startswith("model.layers."):
             _, _, index, rest = name.split(".", 3)
@@ -248,6 +290,8 @@ def test_not_a_gguf_file(tmp_path: Path) -> None:
 
 def test_bad_model_config_values() -> None:
     with pytest.raises(ValueError, match="multiple of num_kv_heads"):
-        ModelConfig(hidden_size=64, intermediate_size=64, num_layers=1, num_heads=4, num_kv_heads=3, vocab_size=8)
+        ModelConfig(
+            hidden_size=64, intermediate_size=64, num_layers=1, num_heads=4, num_kv_heads=3, vocab_size=8
+        )
     with pytest.raises(ValueError, match="high_freq_factor"):
         RopeScaling(8.0, 4.0, 1.0, 8192)

@@ -30,8 +30,11 @@ def reference(hf_smollm2, prompts) -> list[dict]:
             input_ids = torch.tensor([ids])
             logits = hf_smollm2(input_ids).logits[0, -1].float()
             out = hf_smollm2.generate(
-                input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=NEW_TOKENS,
-                do_sample=False, pad_token_id=2,
+                input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                max_new_tokens=NEW_TOKENS,
+                do_sample=False,
+                pad_token_id=2,
             )
             results.append({"tokens": out[0, len(ids) :].tolist(), "logits": logits})
     return results

@@ -61,7 +61,9 @@ def test_paged_decode_attention_matches_dense(heads: int, kv_heads: int, page_si
 @pytest.mark.parametrize("context,new", [(7, 7), (20, 5), (33, 1), (48, 16)])
 def test_prefill_attention_with_cached_prefix_matches_dense(context: int, new: int) -> None:
     heads, kv_heads, dim, page_size = 6, 2, 16, 4
-    k_cache, v_cache, tables, keys, values = scattered_cache([context], kv_heads, dim, page_size, seed=context)
+    k_cache, v_cache, tables, keys, values = scattered_cache(
+        [context], kv_heads, dim, page_size, seed=context
+    )
     q = torch.randn(new, heads, dim)
     out = reference.prefill_attention(q, k_cache, v_cache, torch.tensor(tables[0]), context, dim**-0.5)
     expected = dense_attention(q, keys[0], values[0], offset=context - new)

@@ -80,8 +80,9 @@ def test_eos_stops_and_ignore_eos_goes_on(engine: LLMEngine) -> None:
     stopped = engine.generate([ids], SamplingParams(max_tokens=40, temperature=0.0))[0]
     assert stopped.finish_reason == "stop" and stopped.token_ids[-1] == 2
     assert stopped.text == "The capital of France is Paris."
-    forced = engine.generate([ids], SamplingParams(max_tokens=len(stopped.token_ids) + 3, temperature=0.0,
-                                                  ignore_eos=True))[0]
+    forced = engine.generate(
+        [ids], SamplingParams(max_tokens=len(stopped.token_ids) + 3, temperature=0.0, ignore_eos=True)
+    )[0]
     assert forced.finish_reason == "length" and len(forced.token_ids) == len(stopped.token_ids) + 3
 
 
@@ -90,7 +91,8 @@ def test_stop_string_cuts_the_text(engine: LLMEngine) -> None:
     out = engine.generate([ids], SamplingParams(max_tokens=40, temperature=0.0, stop=("France",)))[0]
     assert out.text == "The capital of " and out.finish_reason == "stop" and out.stop_reason == "France"
     kept = engine.generate(
-        [ids], SamplingParams(max_tokens=40, temperature=0.0, stop=("France",), include_stop_str_in_output=True)
+        [ids],
+        SamplingParams(max_tokens=40, temperature=0.0, stop=("France",), include_stop_str_in_output=True),
     )[0]
     assert kept.text == "The capital of France"
 

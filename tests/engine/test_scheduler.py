@@ -15,7 +15,9 @@ def make_request(index: int, prompt_len: int, max_tokens: int) -> Request:
     return Request(f"r{index}", list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens), index)
 
 
-def run_to_completion(scheduler: Scheduler, requests: list[Request], max_steps: int = 10_000) -> dict[str, int]:
+def run_to_completion(
+    scheduler: Scheduler, requests: list[Request], max_steps: int = 10_000
+) -> dict[str, int]:
     """Step a fake model: each sampled chunk appends token 7. Checks invariants after every step."""
     stats = {"steps": 0, "preemptions": 0, "max_batch": 0}
     for request in requests:
