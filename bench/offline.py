@@ -18,6 +18,10 @@ from typing import Any
 
 import torch
 
+from loraplex.engine.model.config import ModelConfig
+
+from .floors import offline_floors
+
 
 @dataclass
 class Result:
@@ -39,7 +43,9 @@ def make_prompts(count: int, min_len: int, max_len: int, vocab: int, seed: int) 
     return [[rng.randrange(100, vocab) for _ in range(rng.randint(min_len, max_len))] for _ in range(count)]
 
 
-def run_engine(model: str | None, dtype: str, prompts: list[list[int]], new_tokens: int) -> Result:
+def run_engine(
+    model: str | None, dtype: str, prompts: list[list[int]], new_tokens: int
+) -> tuple[Result, ModelConfig]:
     from loraplex.engine import EngineConfig, LLMEngine, SamplingParams
 
     engine = LLMEngine(EngineConfig(model=model, device="cpu", dtype=dtype))
@@ -49,7 +55,9 @@ def run_engine(model: str | None, dtype: str, prompts: list[list[int]], new_toke
     outputs = engine.generate(prompts, params)
     seconds = time.perf_counter() - started
     generated = sum(len(o.token_ids) for o in outputs)
-    return Result("loraplex", dtype, len(prompts), generated, sum(map(len, prompts)), seconds)
+    return Result(
+        "loraplex", dtype, len(prompts), generated, sum(map(len, prompts)), seconds
+    ), engine.loaded.config
 
 
 def run_transformers(dtype: str, prompts: list[list[int]], new_tokens: int, batch_size: int) -> Result:
@@ -106,16 +114,30 @@ def run(args: argparse.Namespace) -> int:
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
         f"{platform.processor() or platform.machine()}"
     )
-    print(f"{'system':<14}{'dtype':<10}{'seconds':>9}{'gen tok/s':>11}{'ratio':>8}")
+    print(
+        f"{'system':<14}{'dtype':<10}{'seconds':>9}{'gen tok/s':>11}{'vs hf':>8}{'floor':>8}{'of floor':>10}"
+    )
     for dtype in args.dtypes.split(","):
-        engine = run_engine(args.model, dtype, prompts, args.new_tokens)
+        engine, model_config = run_engine(args.model, dtype, prompts, args.new_tokens)
         results = [engine]
         if not args.skip_transformers:
             results.append(run_transformers(dtype, prompts, args.new_tokens, args.hf_batch_size))
+        floors, rates = offline_floors(
+            model_config, [len(p) for p in prompts], args.new_tokens, getattr(torch, dtype)
+        )
         baseline = results[-1].tokens_per_second
         for r in results:
             ratio = r.tokens_per_second / baseline
-            print(f"{r.system:<14}{r.dtype:<10}{r.seconds:>9.2f}{r.tokens_per_second:>11.1f}{ratio:>7.2f}x")
+            print(
+                f"{r.system:<14}{r.dtype:<10}{r.seconds:>9.2f}{r.tokens_per_second:>11.1f}{ratio:>7.2f}x"
+                f"{floors.total:>7.1f}s{floors.total / r.seconds:>9.0%}"
+            )
             if args.json:
                 print(json.dumps({**asdict(r), "tokens_per_second": r.tokens_per_second}))
+        print(
+            f"  floors ({dtype}): prefill {floors.prefill_seconds:.1f}s + "
+            f"decode {floors.decode_seconds:.1f}s at "
+            f"{rates['prefill_gflops']:.0f} GFLOP/s (1024 rows), {rates['decode_gflops']:.0f} GFLOP/s "
+            f"({args.requests} rows), {rates['copy_gbps']:.0f} GB/s copy"
+        )
     return 0

@@ -162,7 +162,7 @@ class LLMEngine:
     def _append_token(self, request: Request, token: int) -> RequestOutput:
         params = request.params
         request.output_token_ids.append(token)
-        emitted = len(request.text)
+        checked = len(request.text)
         if request.detokenizer is not None and token not in self.eos_token_ids:
             request.detokenizer.add(token)
         reason: str | None = None
@@ -170,14 +170,26 @@ class LLMEngine:
             reason = "stop"
         elif token in params.stop_token_ids:
             reason, request.stop_reason = "stop", token
-        elif params.stop and request.detokenizer is not None and self._hit_stop_string(request, emitted):
+        elif params.stop and request.detokenizer is not None and self._hit_stop_string(request, checked):
             reason = "stop"
         elif len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.max_model_len:
             reason = "length"
         if reason is not None:
             self.scheduler.finish(request, reason)
             self._requests.pop(request.request_id, None)
-        return self._output(request, new_text=request.text[emitted:])
+        return self._output(request, new_text=self._next_delta(request))
+
+    def _next_delta(self, request: Request) -> str:
+        """New text for a stream. While a stop string could still be completing, its possible start is
+        held back, so a stream never shows text that the stop string later cuts."""
+        text = request.text
+        visible = len(text)
+        if not request.finished and request.params.stop:
+            holdback = max(len(s) for s in request.params.stop) - 1
+            visible = max(request.emitted_chars, visible - holdback)
+        delta = text[request.emitted_chars : visible]
+        request.emitted_chars = visible
+        return delta
 
     def _hit_stop_string(self, request: Request, checked_before: int) -> bool:
         assert request.detokenizer is not None

@@ -35,6 +35,7 @@ class Request:
     detokenizer: IncrementalDetokenizer | None = None
     generator: torch.Generator | None = None
     stop_reason: str | int | None = None
+    emitted_chars: int = 0  # text already handed out as deltas
     keep_logits: bool = False
     last_logits: torch.Tensor | None = None
 
@@ -42,14 +43,14 @@ class Request:
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
-    def token_at(self, index: int) -> int:
-        prompt_len = len(self.prompt_token_ids)
-        return (
-            self.prompt_token_ids[index] if index < prompt_len else self.output_token_ids[index - prompt_len]
-        )
-
     def tokens(self, start: int, end: int) -> list[int]:
-        return (self.prompt_token_ids + self.output_token_ids)[start:end]
+        """Tokens [start, end) of prompt + output, without joining the two lists on every decode."""
+        prompt_len = len(self.prompt_token_ids)
+        if start >= prompt_len:
+            return self.output_token_ids[start - prompt_len : end - prompt_len]
+        if end <= prompt_len:
+            return self.prompt_token_ids[start:end]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - prompt_len]
 
     @property
     def finished(self) -> bool:

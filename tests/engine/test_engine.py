@@ -104,3 +104,15 @@ def test_bfloat16_engine_answers_sensibly(smollm2) -> None:
         SamplingParams(max_tokens=20, temperature=0.0),
     )
     assert "Paris" in out.text
+
+
+def test_streamed_deltas_never_show_a_cut_stop_string(engine: LLMEngine) -> None:
+    ids = engine.tokenizer.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
+    engine.add_request(ids, SamplingParams(max_tokens=40, temperature=0.0, stop=("is Par",)))
+    pieces, final = [], None
+    while engine.has_unfinished():
+        for out in engine.step():
+            pieces.append(out.new_text)
+            final = out
+    assert final is not None and final.finish_reason == "stop"
+    assert "".join(pieces) == final.text == "The capital of France "
