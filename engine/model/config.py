@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from loraplex.adapters.shapes import BaseShape
+
 
 @dataclass(frozen=True)
 class RopeScaling:
@@ -72,6 +74,16 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    def lora_shape(self) -> BaseShape:
+        """What a LoRA adapter for this model must fit (the adapters package checks against it)."""
+        return BaseShape(
+            num_layers=self.num_layers,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            q_size=self.q_size,
+            kv_size=self.kv_size,
+        )
 
     def num_parameters(self) -> int:
         per_layer = (
