@@ -1,8 +1,9 @@
 """Device memory of the page pool, seen as a paged KV cache.
 
-One tensor [layers, 2, kv_heads, num_pages, page_size, head_dim]: page p holds keys and values of
-`page_size` tokens in every layer and head. Per layer, keys (and values) of all pages are contiguous,
-so a batch's cache rows are one gather away (see kernels/reference.py for why heads come first).
+One tensor [num_pages, layers, 2, kv_heads, page_size, head_dim]: page-major, so every page is one
+contiguous block of memory. As KV, page p holds keys and values of `page_size` tokens in every layer
+and head; the same block can instead hold adapter weights (S-LoRA's unified paging), which is why a
+page must be contiguous. kernels/reference.py reads and writes it by computed row indices.
 """
 
 from __future__ import annotations
@@ -25,16 +26,10 @@ class KVCache:
         self.num_pages = num_pages
         # Zeros, not empty: padded attention reads masked rows, and 0 * NaN would poison the output.
         self.memory = torch.zeros(
-            config.num_layers,
-            2,
-            config.num_kv_heads,
-            num_pages,
-            page_size,
-            config.head_dim,
-            dtype=dtype,
-            device=device,
-        )
+            num_pages, config.num_layers, 2, config.num_kv_heads, page_size, config.head_dim,
+            dtype=dtype, device=device,
+        )  # fmt: skip
 
-    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of one layer, each [kv_heads, num_pages, page_size, head_dim]."""
-        return self.memory[index, 0], self.memory[index, 1]
+    def pages(self) -> torch.Tensor:
+        """The pool as [num_pages, page_elements]: what adapter weights are stored in."""
+        return self.memory.view(self.num_pages, -1)

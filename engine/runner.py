@@ -81,11 +81,11 @@ class PagedAttention:
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         b = self.batch
-        k_cache, v_cache = self.cache.layer(layer)
-        reference.write_kv(k_cache, v_cache, k, v, b.slots)
+        memory = self.cache.memory
+        reference.write_kv(memory, layer, k, v, b.slots)
         parts = [
             reference.paged_decode_attention(
-                q[g.start : g.end], k_cache, v_cache, g.block_tables, g.context_lens, self.scale
+                q[g.start : g.end], memory, layer, g.block_tables, g.context_lens, self.scale
             )
             for g in b.decodes
         ]
@@ -99,7 +99,7 @@ class PagedAttention:
             else:
                 parts.append(
                     reference.prefill_attention(
-                        q[seg.start : seg.end], k_cache, v_cache, seg.block_table, seg.context_len, self.scale
+                        q[seg.start : seg.end], memory, layer, seg.block_table, seg.context_len, self.scale
                     )
                 )
         return parts[0] if len(parts) == 1 else torch.cat(parts)

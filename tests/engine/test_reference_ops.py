@@ -19,14 +19,16 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: i
     return torch.einsum("htc,chd->thd", scores.softmax(-1), v)
 
 
+LAYERS, LAYER = 3, 1  # the sequences' cache lives in layer 1 of a 3-layer pool
+
+
 def scattered_cache(lengths: list[int], kv_heads: int, dim: int, page_size: int, seed: int):
-    """Random K/V per sequence, stored in pages placed at random across a pool."""
+    """Random K/V per sequence, stored in pages placed at random across a pool full of other data."""
     gen = torch.Generator().manual_seed(seed)
     blocks = [-(-n // page_size) for n in lengths]
     num_pages = sum(blocks) + 5
     order = torch.randperm(num_pages, generator=gen).tolist()
-    k_cache = torch.randn(kv_heads, num_pages, page_size, dim, generator=gen)
-    v_cache = torch.randn(kv_heads, num_pages, page_size, dim, generator=gen)
+    memory = torch.randn(num_pages, LAYERS, 2, kv_heads, page_size, dim, generator=gen)
     tables, keys, values, used = [], [], [], 0
     for n, b in zip(lengths, blocks, strict=True):
         table = order[used : used + b]
@@ -34,11 +36,11 @@ def scattered_cache(lengths: list[int], kv_heads: int, dim: int, page_size: int,
         k = torch.randn(n, kv_heads, dim, generator=gen)
         v = torch.randn(n, kv_heads, dim, generator=gen)
         slots = torch.tensor([table[i // page_size] * page_size + i % page_size for i in range(n)])
-        reference.write_kv(k_cache, v_cache, k, v, slots)
+        reference.write_kv(memory, LAYER, k, v, slots)
         tables.append(table)
         keys.append(k)
         values.append(v)
-    return k_cache, v_cache, tables, keys, values
+    return memory, tables, keys, values
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (9, 3), (8, 1)])
@@ -46,13 +48,11 @@ def scattered_cache(lengths: list[int], kv_heads: int, dim: int, page_size: int,
 def test_paged_decode_attention_matches_dense(heads: int, kv_heads: int, page_size: int) -> None:
     lengths = [1, 5, 16, 17, 40, 3]
     dim = 32
-    k_cache, v_cache, tables, keys, values = scattered_cache(lengths, kv_heads, dim, page_size, seed=heads)
+    memory, tables, keys, values = scattered_cache(lengths, kv_heads, dim, page_size, seed=heads)
     width = max(map(len, tables))
     block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables])
     q = torch.randn(len(lengths), heads, dim)
-    out = reference.paged_decode_attention(
-        q, k_cache, v_cache, block_tables, torch.tensor(lengths), dim**-0.5
-    )
+    out = reference.paged_decode_attention(q, memory, LAYER, block_tables, torch.tensor(lengths), dim**-0.5)
     for b, n in enumerate(lengths):
         expected = dense_attention(q[b : b + 1], keys[b], values[b], offset=n - 1)[0]
         torch.testing.assert_close(out[b].double(), expected, rtol=1e-5, atol=1e-5)
@@ -61,11 +61,9 @@ def test_paged_decode_attention_matches_dense(heads: int, kv_heads: int, page_si
 @pytest.mark.parametrize("context,new", [(7, 7), (20, 5), (33, 1), (48, 16)])
 def test_prefill_attention_with_cached_prefix_matches_dense(context: int, new: int) -> None:
     heads, kv_heads, dim, page_size = 6, 2, 16, 4
-    k_cache, v_cache, tables, keys, values = scattered_cache(
-        [context], kv_heads, dim, page_size, seed=context
-    )
+    memory, tables, keys, values = scattered_cache([context], kv_heads, dim, page_size, seed=context)
     q = torch.randn(new, heads, dim)
-    out = reference.prefill_attention(q, k_cache, v_cache, torch.tensor(tables[0]), context, dim**-0.5)
+    out = reference.prefill_attention(q, memory, LAYER, torch.tensor(tables[0]), context, dim**-0.5)
     expected = dense_attention(q, keys[0], values[0], offset=context - new)
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
 
@@ -77,9 +75,9 @@ def test_causal_attention_matches_dense() -> None:
 
 
 def test_write_kv_touches_only_its_slots() -> None:
-    k_cache, v_cache = torch.zeros(2, 3, 4, 8), torch.zeros(2, 3, 4, 8)
+    memory = torch.zeros(3, LAYERS, 2, 2, 4, 8)  # pages, layers, k/v, kv_heads, page_size, head_dim
     k, v = torch.ones(2, 2, 8), torch.full((2, 2, 8), 2.0)
-    reference.write_kv(k_cache, v_cache, k, v, torch.tensor([5, 11]))  # page 1 offset 1, page 2 offset 3
-    assert k_cache[:, 1, 1].eq(1).all() and k_cache[:, 2, 3].eq(1).all()
-    assert v_cache[:, 1, 1].eq(2).all() and v_cache[:, 2, 3].eq(2).all()
-    assert k_cache.sum() == 2 * 2 * 8 and v_cache.sum() == 2 * 2 * 2 * 8
+    reference.write_kv(memory, LAYER, k, v, torch.tensor([5, 11]))  # page 1 offset 1, page 2 offset 3
+    assert memory[1, LAYER, 0, :, 1].eq(1).all() and memory[2, LAYER, 0, :, 3].eq(1).all()
+    assert memory[1, LAYER, 1, :, 1].eq(2).all() and memory[2, LAYER, 1, :, 3].eq(2).all()
+    assert memory.sum() == 2 * 2 * 8 * (1 + 2)  # nothing else written, no other layer touched
