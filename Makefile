@@ -41,10 +41,15 @@ run: install
 test: install-dev lint
 	$(PY) -m pytest
 
+# mypy checks the code under its import names (loraplex.*): a tree of links stands in for the
+# installed package, because mypy cannot follow setuptools' editable-install finder.
+MYPY_TREE := $(VENV)/mypy-tree
 lint: install-dev
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/mypy engine adapters web cli bench
+	mkdir -p $(MYPY_TREE)/loraplex
+	for d in engine adapters operator web cli bench; do ln -sfn "$(CURDIR)/$$d" "$(MYPY_TREE)/loraplex/$$d"; done
+	cd $(MYPY_TREE) && "$(CURDIR)/$(PY)" -m mypy --config-file "$(CURDIR)/pyproject.toml" -p loraplex
 
 bench: install-dev
 	$(PY) -m loraplex.bench offline

@@ -1,0 +1,268 @@
+"""The pure half of reconciliation: a validated InferenceDeployment in, the children it owns out.
+
+`desired_objects(idep)` returns plain dicts (Deployment, Service, ConfigMap, PodDisruptionBudget and, in
+hpa mode, a HorizontalPodAutoscaler) with owner references, so deleting the CR garbage-collects them.
+Nothing here talks to a cluster; the handlers in main.py apply what this returns.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from loraplex.operator.spec import GROUP, KIND, VERSION, InferenceDeployment
+
+ENGINE_PORT = 8000
+MANAGED_BY = "loraplex-operator"
+# Holds the hash of the desired child: a child whose annotation differs (or is missing) is re-applied.
+HASH_ANNOTATION = "loraplex.dev/desired-hash"
+# On the pod template: a changed ConfigMap rolls the pods, since envFrom is read only at start.
+CONFIG_HASH_ANNOTATION = "loraplex.dev/config-hash"
+# Pods answer the metrics the autoscaler and the HPA read under these names (see docs/operator.md).
+METRIC_NAMES = {
+    "waiting_requests": "loraplex_requests_waiting",
+    "running_requests": "loraplex_requests_running",
+    "pool_utilization": "loraplex_pool_utilization",
+}
+
+
+def child_name(idep: InferenceDeployment) -> str:
+    return f"{idep.name}-engine"
+
+
+def selector_labels(idep: InferenceDeployment) -> dict[str, str]:
+    return {"app.kubernetes.io/name": "loraplex-engine", "app.kubernetes.io/instance": idep.name}
+
+
+def labels(idep: InferenceDeployment) -> dict[str, str]:
+    return {
+        **selector_labels(idep),
+        "app.kubernetes.io/component": "engine",
+        "app.kubernetes.io/part-of": "loraplex",
+        "app.kubernetes.io/managed-by": MANAGED_BY,
+    }
+
+
+def selector_string(idep: InferenceDeployment) -> str:
+    return ",".join(f"{key}={value}" for key, value in sorted(selector_labels(idep).items()))
+
+
+def endpoint(idep: InferenceDeployment) -> str:
+    return f"http://{child_name(idep)}.{idep.namespace}.svc:{ENGINE_PORT}"
+
+
+def desired_objects(idep: InferenceDeployment) -> list[dict[str, Any]]:
+    """Every child object, in apply order (the ConfigMap before the pods that read it)."""
+    config = config_map(idep)
+    engine = deployment(idep, content_hash(config["data"]))
+    objects = [config, engine, service(idep), pod_disruption_budget(idep)]
+    if idep.spec.autoscaling.mode == "hpa":
+        objects.append(horizontal_pod_autoscaler(idep))
+    for obj in objects:
+        obj["metadata"].setdefault("annotations", {})[HASH_ANNOTATION] = content_hash(obj)
+    return objects
+
+
+def content_hash(value: Any) -> str:
+    """A short stable digest of a JSON-able value (sorted keys)."""
+    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def engine_args(idep: InferenceDeployment) -> list[str]:
+    """The engine command line: the contract with `loraplex serve`; tuning knobs travel in the ConfigMap."""
+    model = idep.spec.model
+    args = ["serve", "--model", model.uri, "--dtype", model.dtype, "--port", str(ENGINE_PORT)]
+    return [*args, *idep.spec.engine.extra_args]
+
+
+def config_map(idep: InferenceDeployment) -> dict[str, Any]:
+    spec = idep.spec
+    data = {
+        "LORAPLEX_MODEL_FORMAT": spec.model.format,
+        "LORAPLEX_DEVICE": "cuda" if spec.resources.gpus_per_replica > 0 else "cpu",
+        "LORAPLEX_POOL_FRACTION": str(spec.engine.pool_fraction),
+        "LORAPLEX_MAX_RESIDENT_ADAPTERS": str(spec.engine.max_resident_adapters),
+        "LORAPLEX_MAX_BATCH_TOKENS": str(spec.engine.max_batch_tokens),
+        "LORAPLEX_MODEL_CACHE": "/var/cache/loraplex",
+    }
+    if spec.adapter_store is not None:
+        data["LORAPLEX_ADAPTER_STORE"] = spec.adapter_store.uri
+    if spec.control_plane is not None:
+        data["LORAPLEX_CONTROL_PLANE_URL"] = spec.control_plane.url
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _metadata(idep),
+        "data": data,
+    }
+
+
+def deployment(idep: InferenceDeployment, config_hash: str) -> dict[str, Any]:
+    spec = idep.spec
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _metadata(idep),
+        "spec": {
+            # The autoscaler owns this number between min and max; apply keeps the live value (see apply.py).
+            "replicas": spec.replicas.min,
+            "selector": {"matchLabels": selector_labels(idep)},
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+            "template": {
+                "metadata": {
+                    "labels": labels(idep),
+                    "annotations": {
+                        CONFIG_HASH_ANNOTATION: config_hash,
+                        "prometheus.io/scrape": "true",
+                        "prometheus.io/port": str(ENGINE_PORT),
+                        "prometheus.io/path": "/metrics",
+                    },
+                },
+                "spec": _pod_spec(idep),
+            },
+        },
+    }
+
+
+def _pod_spec(idep: InferenceDeployment) -> dict[str, Any]:
+    spec = idep.spec
+    limits: dict[str, Any] = {"cpu": spec.resources.cpu, "memory": spec.resources.memory}
+    if spec.resources.gpus_per_replica > 0:
+        # A string, as the API server returns quantities: an int would look like drift on every resync.
+        limits["nvidia.com/gpu"] = str(spec.resources.gpus_per_replica)
+    pod: dict[str, Any] = {
+        "containers": [
+            {
+                "name": "engine",
+                "image": spec.engine.image,
+                "command": ["loraplex"],
+                "args": engine_args(idep),
+                "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}],
+                "envFrom": [{"configMapRef": {"name": child_name(idep)}}],
+                "env": _secret_env(idep),
+                "resources": {"requests": dict(limits), "limits": limits},
+                # Loading a large model takes minutes: readiness gates traffic, liveness only restarts a
+                # process that stopped answering at all, and the startup probe covers the load.
+                "startupProbe": _probe("/health", period=10, failures=90),
+                "readinessProbe": _probe("/ready", period=5, failures=3),
+                "livenessProbe": _probe("/health", period=15, failures=4),
+                "volumeMounts": [{"name": "model-cache", "mountPath": "/var/cache/loraplex"}],
+            }
+        ],
+        "volumes": [{"name": "model-cache", "emptyDir": {}}],
+        # Replicas on different nodes (and zones when there are several): one node loss costs one replica.
+        "topologySpreadConstraints": [
+            {
+                "maxSkew": 1,
+                "topologyKey": key,
+                "whenUnsatisfiable": "ScheduleAnyway",
+                "labelSelector": {"matchLabels": selector_labels(idep)},
+            }
+            for key in ("kubernetes.io/hostname", "topology.kubernetes.io/zone")
+        ],
+        "terminationGracePeriodSeconds": 60,
+    }
+    if spec.resources.gpus_per_replica > 0:
+        pod["tolerations"] = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    return pod
+
+
+def _secret_env(idep: InferenceDeployment) -> list[dict[str, Any]]:
+    env: list[dict[str, Any]] = []
+    token = idep.spec.control_plane.token_secret if idep.spec.control_plane else None
+    if token is not None:
+        ref = {"name": token.name, "key": token.key}
+        env.append({"name": "LORAPLEX_INTERNAL_TOKEN", "valueFrom": {"secretKeyRef": ref}})
+    store = idep.spec.adapter_store
+    if store is not None and store.secret_name:
+        # The S3-API credentials under their usual names, so any S3 client in the engine finds them.
+        for name, key in (("AWS_ACCESS_KEY_ID", "accessKeyId"), ("AWS_SECRET_ACCESS_KEY", "secretAccessKey")):
+            env.append({"name": name, "valueFrom": {"secretKeyRef": {"name": store.secret_name, "key": key}}})
+    return env
+
+
+def _probe(path: str, period: int, failures: int) -> dict[str, Any]:
+    return {
+        "httpGet": {"path": path, "port": "http"},
+        "periodSeconds": period,
+        "timeoutSeconds": 3,
+        "failureThreshold": failures,
+    }
+
+
+def service(idep: InferenceDeployment) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(idep),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": selector_labels(idep),
+            "ports": [{"name": "http", "port": ENGINE_PORT, "targetPort": "http", "protocol": "TCP"}],
+        },
+    }
+
+
+def pod_disruption_budget(idep: InferenceDeployment) -> dict[str, Any]:
+    # With one replica a PDB of minAvailable 1 would block node drains forever; allow one pod down instead.
+    budget: dict[str, Any] = {"maxUnavailable": 1}
+    if idep.spec.replicas.min > 1:
+        budget = {"minAvailable": idep.spec.replicas.min - 1}
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _metadata(idep),
+        "spec": {**budget, "selector": {"matchLabels": selector_labels(idep)}},
+    }
+
+
+def horizontal_pod_autoscaler(idep: InferenceDeployment) -> dict[str, Any]:
+    scaling = idep.spec.autoscaling
+    return {
+        "apiVersion": "autoscaling/v2",
+        "kind": "HorizontalPodAutoscaler",
+        "metadata": _metadata(idep),
+        "spec": {
+            "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": child_name(idep)},
+            "minReplicas": idep.spec.replicas.min,
+            "maxReplicas": idep.spec.replicas.max,
+            "metrics": [
+                {
+                    "type": "Pods",
+                    "pods": {
+                        "metric": {"name": METRIC_NAMES[scaling.metric]},
+                        "target": {"type": "AverageValue", "averageValue": _quantity(scaling.target)},
+                    },
+                }
+            ],
+            "behavior": {
+                "scaleUp": {"stabilizationWindowSeconds": scaling.scale_up_stabilization_seconds},
+                "scaleDown": {"stabilizationWindowSeconds": scaling.scale_down_stabilization_seconds},
+            },
+        },
+    }
+
+
+def _quantity(value: float) -> str:
+    """A Kubernetes quantity for a metric target: milli-units keep fractions such as 0.75 exact."""
+    milli = round(value * 1000)
+    return str(milli // 1000) if milli % 1000 == 0 else f"{milli}m"
+
+
+def _metadata(idep: InferenceDeployment) -> dict[str, Any]:
+    return {
+        "name": child_name(idep),
+        "namespace": idep.namespace,
+        "labels": labels(idep),
+        "ownerReferences": [
+            {
+                "apiVersion": f"{GROUP}/{VERSION}",
+                "kind": KIND,
+                "name": idep.name,
+                "uid": idep.uid,
+                "controller": True,
+                "blockOwnerDeletion": True,
+            }
+        ],
+    }
