@@ -41,6 +41,21 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _operator(args: argparse.Namespace) -> int:
+    # kopf and the handlers load only here: the engine's install needs neither.
+    import kopf
+
+    import loraplex.operator.main  # noqa: F401  (registers the handlers)
+
+    kopf.run(
+        clusterwide=args.all_namespaces,
+        namespaces=args.namespace or [],
+        liveness_endpoint=args.liveness,
+        standalone=args.standalone,
+    )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="loraplex", description="Serve many LoRA fine-tunes of one model.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
@@ -61,6 +76,16 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     gen.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
     gen.set_defaults(handler=_generate)
+
+    op = commands.add_parser(
+        "operator", help="run the Kubernetes operator (same as kopf run -m loraplex.operator.main)"
+    )
+    scope = op.add_mutually_exclusive_group(required=True)
+    scope.add_argument("-n", "--namespace", action="append", help="namespace to watch (repeatable)")
+    scope.add_argument("-A", "--all-namespaces", action="store_true", help="watch every namespace")
+    op.add_argument("--liveness", default="http://0.0.0.0:8080/healthz", help="kopf liveness endpoint")
+    op.add_argument("--standalone", action="store_true", help="no peering with other operator replicas")
+    op.set_defaults(handler=_operator)
     return parser
 
 

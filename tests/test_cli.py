@@ -36,3 +36,9 @@ def test_generate_reports_a_bad_model_path_on_stderr(tmp_path: Path) -> None:
     assert result.returncode == 2
     assert result.stdout == ""
     assert "does not exist" in result.stderr
+
+
+def test_operator_needs_a_watch_scope() -> None:
+    result = subprocess.run([LORAPLEX, "operator"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert "--namespace" in result.stderr and "--all-namespaces" in result.stderr
