@@ -5,15 +5,20 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from loraplex.adapters import AdapterManifest
+
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
 from .kv_cache import KVCache, page_bytes
+from .lora.residency import AdapterResidency
+from .lora.step import LoraStacker
 from .model.loader import LoadedModel, load_model
-from .pool import PagePool
+from .pool import PageKind, PagePool
 from .request import Request, RequestOutput, RequestStatus
 from .runner import ModelRunner
 from .sampler import sample
@@ -46,10 +51,23 @@ class LLMEngine:
             loaded.model.rope_cos.shape[0],
         )
         num_pages = config.num_pages or self._pages_that_fit(device, dtype)
+        if num_pages < 2:
+            raise ValueError("the pool needs at least 2 pages (page 0 is reserved as the zero page)")
         self.pool = PagePool(num_pages)
+        # Page 0 stays zero forever: padded block tables and LoRA stacks point at it.
+        assert self.pool.allocate(1, "zero-page", PageKind.RESERVED) == [0]
         self.cache = KVCache(model_config, num_pages, config.page_size, dtype, device)
-        self.scheduler = Scheduler(self.pool, config.page_size, config.max_num_seqs, config.max_batch_tokens)
-        self.runner = ModelRunner(loaded.model, self.cache)
+        head_dim = model_config.head_dim
+        self.adapters = AdapterResidency(
+            self.pool,
+            self.cache.memory.view(-1, head_dim),
+            model_config.lora_shape(),
+            rows_per_page=self.cache.pages().shape[1] // head_dim,
+        )
+        self.scheduler = Scheduler(
+            self.pool, config.page_size, config.max_num_seqs, config.max_batch_tokens, self.adapters
+        )
+        self.runner = ModelRunner(loaded.model, self.cache, LoraStacker(self.adapters))
         eos = self.tokenizer.eos_token_ids if self.tokenizer else model_config.eos_token_ids
         self.eos_token_ids = frozenset(eos)
         self._requests: dict[str, Request] = {}
@@ -75,14 +93,22 @@ class LLMEngine:
 
     # -- requests ---------------------------------------------------------------------------------
 
+    def register_adapter(self, name: str, path: str | Path) -> AdapterManifest:
+        """Make a PEFT LoRA directory servable as `name` (validated against this model; loaded on use)."""
+        return self.adapters.register(name, path)
+
     def add_request(
         self,
         prompt: Prompt,
         params: SamplingParams | None = None,
         request_id: str | None = None,
+        adapter: str | None = None,
     ) -> str:
-        """Queue a prompt (text, or token ids) and return its request id."""
+        """Queue a prompt (text, or token ids) and return its request id; `adapter` names a registered
+        adapter (None: the base model)."""
         params = params or SamplingParams()
+        if adapter is not None and adapter not in self.adapters.registered:
+            raise ValueError(f"adapter {adapter!r} is not registered")
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer; pass prompt token ids instead of text")
@@ -103,7 +129,7 @@ class LLMEngine:
                 else int(torch.randint(2**62, (1,), generator=self._seeds))
             )
             generator = torch.Generator().manual_seed(seed)
-        request = Request(request_id, ids, params, arrival, prompt=text, generator=generator)
+        request = Request(request_id, ids, params, arrival, prompt=text, generator=generator, adapter=adapter)
         if self.tokenizer is not None:
             request.detokenizer = IncrementalDetokenizer(self.tokenizer.decode, ids)
         self._requests[request_id] = request
@@ -123,10 +149,11 @@ class LLMEngine:
                 "so the prompt must be shorter to leave room for output"
             )
         longest = min(len(ids) + params.max_tokens, self.max_model_len)
-        if self.scheduler.pages_for(longest) > self.pool.num_pages:
+        usable = self.pool.num_pages - 1  # less the zero page
+        if self.scheduler.pages_for(longest) > usable:
             raise ValueError(
                 f"prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) needs "
-                f"{self.scheduler.pages_for(longest)} pages; the pool has {self.pool.num_pages}"
+                f"{self.scheduler.pages_for(longest)} pages; the pool has {usable}"
             )
 
     def abort(self, request_id: str) -> None:
@@ -225,8 +252,10 @@ class LLMEngine:
         self,
         prompts: Prompt | Sequence[Prompt],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
+        adapters: str | Sequence[str | None] | None = None,
     ) -> list[RequestOutput]:
-        """Run prompts to completion, all in one continuously batched run; outputs in prompt order."""
+        """Run prompts to completion, all in one continuously batched run; outputs in prompt order.
+        `adapters` is one adapter name for all prompts, or one per prompt (None: the base model)."""
         prompt_list: list[Prompt] = (
             [prompts]  # type: ignore[list-item]
             if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int))
@@ -238,7 +267,15 @@ class LLMEngine:
             param_list = list(params)
             if len(param_list) != len(prompt_list):
                 raise ValueError(f"{len(prompt_list)} prompts but {len(param_list)} sampling params")
-        ids = [self.add_request(p, sp) for p, sp in zip(prompt_list, param_list, strict=True)]
+        adapter_list = (
+            [adapters] * len(prompt_list) if adapters is None or isinstance(adapters, str) else list(adapters)
+        )
+        if len(adapter_list) != len(prompt_list):
+            raise ValueError(f"{len(prompt_list)} prompts but {len(adapter_list)} adapters")
+        ids = [
+            self.add_request(p, sp, adapter=a)
+            for p, sp, a in zip(prompt_list, param_list, adapter_list, strict=True)
+        ]
         results: dict[str, RequestOutput] = {}
         while len(results) < len(ids):
             for output in self.step():

@@ -14,6 +14,7 @@ from enum import StrEnum
 class PageKind(StrEnum):
     KV = "kv"
     ADAPTER = "adapter"
+    RESERVED = "reserved"  # page 0: always zero, the target of padding in block tables and LoRA stacks
 
 
 class PoolExhausted(RuntimeError):

@@ -26,6 +26,8 @@ class Request:
     params: SamplingParams
     arrival: int  # admission order; earlier requests keep their pages when the pool runs out
     prompt: str | None = None
+    adapter: str | None = None  # a registered adapter's name; None is the base model
+    holds_adapter: bool = False  # the request holds a reference that keeps its adapter resident
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose keys and values are in the cache

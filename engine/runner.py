@@ -15,6 +15,7 @@ import torch
 
 from .kernels import reference
 from .kv_cache import KVCache
+from .lora.step import LoraStacker
 from .model.llama import LlamaModel
 from .scheduler import ScheduledChunk
 
@@ -69,6 +70,7 @@ class StepBatch:
     decodes: list[DecodeGroup]  # together rows [0, num_decodes): one-token chunks
     prefills: list[PrefillSegment]
     logits_indices: torch.Tensor  # [S] rows whose next-token logits are sampled
+    token_adapters: list[str | None]  # [T] each row's adapter (None: the base model)
 
 
 class PagedAttention:
@@ -106,9 +108,10 @@ class PagedAttention:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, cache: KVCache):
+    def __init__(self, model: LlamaModel, cache: KVCache, lora: LoraStacker | None = None):
         self.model = model
         self.cache = cache
+        self.lora = lora
         self.device = model.device
         self.scale = model.config.head_dim**-0.5
 
@@ -126,9 +129,11 @@ class ModelRunner:
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
         prefills: list[PrefillSegment] = []
+        token_adapters: list[str | None] = []
         for chunk in chunks:
             request = chunk.request
             row = len(ids)
+            token_adapters.extend([request.adapter] * chunk.num_tokens)
             ids.extend(request.tokens(chunk.start, chunk.end))
             span = range(chunk.start, chunk.end)
             positions.extend(span)
@@ -159,10 +164,12 @@ class ModelRunner:
             decodes=decodes,
             prefills=prefills,
             logits_indices=tensor(logits_rows),
+            token_adapters=token_adapters,
         )
 
     @torch.inference_mode()
     def execute(self, batch: StepBatch) -> torch.Tensor:
         """Float32 logits [S, vocab] for the batch's sampled rows, in chunk order."""
         attention = PagedAttention(self.cache, batch, self.scale)
-        return self.model(batch.input_ids, batch.positions, attention, batch.logits_indices)
+        lora = self.lora.build(batch.token_adapters) if self.lora is not None else None
+        return self.model(batch.input_ids, batch.positions, attention, batch.logits_indices, lora)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from .pool import PageKind, PagePool
 from .request import Request, RequestStatus
@@ -45,14 +46,38 @@ class SchedulerOutput:
         return sum(chunk.num_tokens for chunk in self.chunks)
 
 
+class AdapterHolder(Protocol):
+    """What the scheduler needs of adapter residency (engine/lora/residency.py)."""
+
+    def pages_needed(self, name: str) -> int: ...
+
+    def acquire(self, name: str) -> bool: ...
+
+    def release(self, name: str) -> None: ...
+
+    def evict_unused(self, pages_wanted: int) -> int: ...
+
+
 class Scheduler:
-    def __init__(self, pool: PagePool, page_size: int, max_num_seqs: int, max_batch_tokens: int):
+    def __init__(
+        self,
+        pool: PagePool,
+        page_size: int,
+        max_num_seqs: int,
+        max_batch_tokens: int,
+        adapters: AdapterHolder | None = None,
+        max_adapter_loads_per_step: int = 4,
+    ):
         if page_size <= 0 or max_num_seqs <= 0 or max_batch_tokens <= 0:
             raise ValueError("page_size, max_num_seqs and max_batch_tokens must be positive")
         self.pool = pool
         self.page_size = page_size
         self.max_num_seqs = max_num_seqs
         self.max_batch_tokens = max_batch_tokens
+        self.adapters = adapters
+        # Loading an adapter costs pages and a copy: when many new adapters wait, only a few join per
+        # step, so one step's loads cannot crowd out the KV cache of the running batch.
+        self.max_adapter_loads_per_step = max_adapter_loads_per_step
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the front has priority
 
@@ -81,10 +106,21 @@ class Scheduler:
             victim = self.running[-1]  # latest admitted, never one already scheduled this step
             self.preempt(victim)
             out.preempted.append(victim)
+        loads = 0
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
             request = self.waiting[0]
             count = min(request.num_tokens - request.num_computed_tokens, budget)
+            if request.adapter is not None and not request.holds_adapter:
+                assert self.adapters is not None, "a request names an adapter but the engine serves none"
+                loading = self.adapters.pages_needed(request.adapter) > 0
+                if loading and loads >= self.max_adapter_loads_per_step:
+                    break
+                if not self.adapters.acquire(request.adapter):
+                    break
+                loads += loading
+                request.holds_adapter = True
             if not self._reserve(request, request.num_computed_tokens + count):
+                self._release_adapter(request)
                 break
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
@@ -98,6 +134,8 @@ class Scheduler:
         needed = self.pages_for(num_tokens) - len(request.pages)
         if needed <= 0:
             return True
+        if not self.pool.can_allocate(needed) and self.adapters is not None:
+            self.adapters.evict_unused(needed)  # unused adapters give way to the KV cache first
         if not self.pool.can_allocate(needed):
             return False
         request.pages.extend(self.pool.allocate(needed, request.request_id, PageKind.KV))
@@ -124,3 +162,10 @@ class Scheduler:
     def _release(self, request: Request) -> None:
         self.pool.free(request.pages, request.request_id)
         request.pages = []
+        self._release_adapter(request)
+
+    def _release_adapter(self, request: Request) -> None:
+        if request.holds_adapter:
+            assert self.adapters is not None and request.adapter is not None
+            self.adapters.release(request.adapter)
+            request.holds_adapter = False

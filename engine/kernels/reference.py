@@ -124,3 +124,28 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
         enable_gqa=True,
     )
     return out[0].transpose(0, 1)
+
+
+def gather_rows(pool_rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Matrices stored as runs of pool rows: index [..., rows, width / head_dim] -> [..., rows, width].
+
+    Shapes: pool_rows [N, head_dim] (the pool as rows); index int64 pool row numbers.
+    """
+    gathered = F.embedding(index.flatten(), pool_rows)  # [numel, head_dim]
+    return gathered.view(*index.shape[:-1], index.shape[-1] * pool_rows.shape[1])
+
+
+def lora_shrink_expand(
+    x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, token_columns: torch.Tensor
+) -> None:
+    """Add every token's own adapter delta to a projection's output, in place.
+
+    Shapes: x [T, in]; y [T, out]; a [C, in] and b [C, out]: the stacked A rows and scaled B^T rows of
+    the step's adapters (adapter u owns a block of C's columns, its rank summed over the group's
+    modules); token_columns [T, C], 1 where the column belongs to the token's adapter, else 0 (a token
+    without an adapter has a zero row).
+    Semantics: y[i] += scale[a] * (x[i] @ A[a].T) @ B[a].T  where a = adapter_of_token[i]
+    (scale is folded into b).
+    """
+    shrunk = torch.matmul(x, a.t()) * token_columns  # [T, C]
+    y.addmm_(shrunk, b)

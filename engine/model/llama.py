@@ -21,6 +21,9 @@ from .rope import apply_rotary, cos_sin_table
 
 # (layer index, q [T, heads, D], k [T, kv_heads, D], v [T, kv_heads, D]) -> [T, heads, D]
 AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# (layer index, projection group "qkv" | "o" | "gate_up" | "down", input x, output y): adds each
+# token's adapter delta to y in place.
+LoraFn = Callable[[int, str, torch.Tensor, torch.Tensor], None]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -61,22 +64,35 @@ class DecoderLayer(nn.Module):
         cos: torch.Tensor,  # [T, 1, D]
         sin: torch.Tensor,
         attention: AttentionFn,
+        lora: LoraFn | None = None,
     ) -> torch.Tensor:
         c = self.config
         tokens = hidden.shape[0]
         x = rms_norm(hidden, self.input_norm, c.rms_norm_eps)
         qkv = F.linear(x, self.qkv_proj, self.qkv_bias)  # [T, q + 2 kv]
+        if lora is not None:
+            lora(index, "qkv", x, qkv)
         # q and k heads rotate together: one rotary call instead of two.
         qk = apply_rotary(
             qkv[:, : c.q_size + c.kv_size].view(tokens, c.num_heads + c.num_kv_heads, c.head_dim), cos, sin
         )
         q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]
         v = qkv[:, c.q_size + c.kv_size :].view(tokens, c.num_kv_heads, c.head_dim)
-        attn = attention(index, q, k, v)  # [T, heads, D]
-        hidden = hidden + F.linear(attn.reshape(tokens, c.q_size), self.o_proj)
+        attn = attention(index, q, k, v).reshape(tokens, c.q_size)  # [T, heads * D]
+        out = F.linear(attn, self.o_proj)
+        if lora is not None:
+            lora(index, "o", attn, out)
+        hidden = hidden + out
         x = rms_norm(hidden, self.post_attention_norm, c.rms_norm_eps)
-        gate, up = F.linear(x, self.gate_up_proj).chunk(2, dim=-1)  # [T, I] each
-        return hidden + F.linear(F.silu(gate) * up, self.down_proj)
+        gate_up = F.linear(x, self.gate_up_proj)  # [T, 2 I]
+        if lora is not None:
+            lora(index, "gate_up", x, gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        act = F.silu(gate) * up
+        down = F.linear(act, self.down_proj)
+        if lora is not None:
+            lora(index, "down", act, down)
+        return hidden + down
 
 
 class LlamaModel(nn.Module):
@@ -119,13 +135,14 @@ class LlamaModel(nn.Module):
         positions: torch.Tensor,  # [T]
         attention: AttentionFn,
         logits_indices: torch.Tensor,  # [S]: the tokens whose next-token logits are wanted
+        lora: LoraFn | None = None,
     ) -> torch.Tensor:
         """Float32 logits [S, vocab] for the selected tokens."""
         hidden = F.embedding(input_ids, self.embed_tokens)  # [T, hidden]
         cos = self.rope_cos[positions].unsqueeze(1)  # [T, 1, D]
         sin = self.rope_sin[positions].unsqueeze(1)
         for index, layer in enumerate(self.layers):
-            hidden = layer(index, hidden, cos, sin, attention)
+            hidden = layer(index, hidden, cos, sin, attention, lora)
         return self.compute_logits(hidden[logits_indices])
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

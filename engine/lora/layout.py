@@ -1,0 +1,131 @@
+"""Where an adapter's matrices live in the pool, and the row indices the LoRA ops gather with.
+
+The pool is addressed as rows of `head_dim` elements (`memory.view(-1, head_dim)`): every projection
+width is a multiple of head_dim in Llama-family models, and a page holds a whole number of such rows,
+so a matrix row is a run of consecutive pool rows that never straddles a page. An adapter packs, layer
+by layer and module by module, A's rank rows and then B's rank columns stored as rows (B^T, already
+multiplied by the module's scale), into a virtual row space; its page table maps that space onto the
+pages it was given, which can be anywhere in the pool.
+
+The ops work on four projection groups, the model's fused matmuls: qkv, o, gate_up, down. For each
+group an adapter contributes C rows (the sum of its ranks in the group, the same in every layer, layers
+with fewer padded by the zero row): A rows [C, in] and B rows [C, group_out] where each module's B sits
+in its own column block and the rest points at the zero row (page 0, reserved and never written).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from loraplex.adapters import AdapterManifest, BaseShape
+
+NULL_ROW = 0  # first row of the reserved page 0
+
+# Projection groups in the order the model applies them, and the modules each fuses.
+GROUPS: dict[str, tuple[str, ...]] = {
+    "qkv": ("q", "k", "v"),
+    "o": ("o",),
+    "gate_up": ("gate", "up"),
+    "down": ("down",),
+}
+
+
+def group_width(base: BaseShape, group: str) -> tuple[int, int]:
+    """(in_features, out_features) of a group's fused matmul."""
+    modules = GROUPS[group]
+    return base.features(modules[0])[0], sum(base.features(m)[1] for m in modules)
+
+
+@dataclass
+class PackedAdapter:
+    """An adapter laid out for the pool: its data in virtual-row order, and per group its row indices."""
+
+    num_rows: int  # virtual rows used, page padding included
+    data: torch.Tensor  # [rows_written, head_dim] in virtual order (only rows that hold data)
+    data_rows: torch.Tensor  # [rows_written] virtual row of each data row
+    a_rows: dict[str, torch.Tensor]  # group -> [layers, C, in / head_dim] virtual rows (-1: zero row)
+    b_rows: dict[str, torch.Tensor]  # group -> [layers, C, out / head_dim] virtual rows (-1: zero row)
+
+    def pages_needed(self, rows_per_page: int) -> int:
+        return -(-self.num_rows // rows_per_page)
+
+
+def pack_adapter(
+    manifest: AdapterManifest,
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]],
+    base: BaseShape,
+    head_dim: int,
+    rows_per_page: int,
+) -> PackedAdapter:
+    """Lay out A and scaled B^T of every adapted module; build each group's gather indices."""
+    for width in (base.hidden_size, base.intermediate_size, base.q_size, base.kv_size):
+        if width % head_dim:
+            raise ValueError(f"projection width {width} is not a multiple of head_dim {head_dim}")
+    by_module = {(m.layer, m.module): m for m in manifest.modules}
+    cursor = 0
+    chunks: list[torch.Tensor] = []
+    chunk_rows: list[torch.Tensor] = []
+
+    def place(matrix: torch.Tensor) -> None:
+        """Put a [rank, width] matrix row by row, never across a page boundary."""
+        nonlocal cursor
+        rank, width = matrix.shape
+        per_row = width // head_dim
+        starts = []
+        for _ in range(rank):
+            if cursor % rows_per_page + per_row > rows_per_page:  # would straddle a page
+                cursor += rows_per_page - cursor % rows_per_page
+            starts.append(cursor)
+            cursor += per_row
+        rows = torch.tensor(starts)[:, None] + torch.arange(per_row)[None, :]  # [rank, per_row]
+        chunks.append(matrix.reshape(rank * per_row, head_dim))
+        chunk_rows.append(rows.flatten())
+
+    starts_of: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+    for (layer, module), (a, b) in sorted(weights.items()):
+        lora = by_module[(layer, module)]
+        b_scaled_t = (b.float() * lora.scale).t().contiguous().to(a.dtype)  # [rank, out]
+        place(a)
+        a_rows_block = chunk_rows[-1].view(lora.rank, -1)
+        place(b_scaled_t)
+        b_rows_block = chunk_rows[-1].view(lora.rank, -1)
+        starts_of[(layer, module)] = (a_rows_block, b_rows_block)
+
+    a_rows: dict[str, torch.Tensor] = {}
+    b_rows: dict[str, torch.Tensor] = {}
+    for group, modules in GROUPS.items():
+        in_width, out_width = group_width(base, group)
+        ranks = [
+            sum(by_module[(layer, m)].rank for m in modules if (layer, m) in by_module)
+            for layer in range(base.num_layers)
+        ]
+        count = max(ranks)
+        if count == 0:
+            continue
+        a_index = torch.full((base.num_layers, count, in_width // head_dim), -1, dtype=torch.long)
+        b_index = torch.full((base.num_layers, count, out_width // head_dim), -1, dtype=torch.long)
+        for layer in range(base.num_layers):
+            row, column = 0, 0
+            for module in modules:
+                out_cols = base.features(module)[1] // head_dim
+                if (layer, module) in starts_of:
+                    a_block, b_block = starts_of[(layer, module)]
+                    rank = a_block.shape[0]
+                    a_index[layer, row : row + rank] = a_block
+                    b_index[layer, row : row + rank, column : column + out_cols] = b_block
+                    row += rank
+                column += out_cols
+        a_rows[group], b_rows[group] = a_index, b_index
+    data = torch.cat(chunks) if chunks else torch.empty(0, head_dim)
+    order = torch.cat(chunk_rows) if chunk_rows else torch.empty(0, dtype=torch.long)
+    return PackedAdapter(max(cursor, 1), data, order, a_rows, b_rows)
+
+
+def physical_rows(virtual: torch.Tensor, pages: list[int], rows_per_page: int) -> torch.Tensor:
+    """Map virtual rows to pool rows through the adapter's page table; -1 maps to the zero row."""
+    table = torch.tensor(pages, dtype=torch.long)
+    clamped = virtual.clamp(min=0)
+    physical = table[clamped // rows_per_page] * rows_per_page + clamped % rows_per_page
+    return torch.where(virtual < 0, torch.full_like(physical, NULL_ROW), physical)
