@@ -77,6 +77,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
     gen.set_defaults(handler=_generate)
 
+    from loraplex.web import cli as web_cli
+
+    web = commands.add_parser("control-plane", help="run the control plane (API, gateway) on one port")
+    web_cli.add_arguments(web)
+    web.set_defaults(handler=web_cli.run)
+
     op = commands.add_parser(
         "operator", help="run the Kubernetes operator (same as kopf run -m loraplex.operator.main)"
     )

@@ -42,3 +42,20 @@ def test_operator_needs_a_watch_scope() -> None:
     result = subprocess.run([LORAPLEX, "operator"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     assert "--namespace" in result.stderr and "--all-namespaces" in result.stderr
+
+
+def test_control_plane_migrate_only_creates_the_schema(tmp_path: Path) -> None:
+    import sqlite3
+
+    database = tmp_path / "cp.db"
+    env = {
+        **os.environ,
+        "LORAPLEX_DATABASE_URL": f"sqlite:///{database}",
+        "LORAPLEX_DATA_DIR": str(tmp_path / "data"),
+    }
+    result = subprocess.run(
+        [LORAPLEX, "control-plane", "--migrate-only"], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert result.returncode == 0, result.stderr
+    tables = {row[0] for row in sqlite3.connect(database).execute("select name from sqlite_master")}
+    assert {"tenants", "api_keys", "adapters", "usage_records"} <= tables, tables

@@ -1,0 +1,274 @@
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+from sqlalchemy import select
+
+from loraplex.adapters import fetch_local
+from loraplex.web.db.models import Deployment, UsageRecord
+from loraplex.web.services.gateway import reservation
+from loraplex.web.services.routing import rendezvous_order
+
+from .conftest import ADMIN, SHAPE, Api, free_port, loose, upload
+from .servers import StubEngine, serve
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@dataclass
+class Setup:
+    app: FastAPI
+    url: str
+    engines: dict[str, StubEngine]  # endpoint -> stub
+    admin: TestClient
+    tenant_id: str
+    key: str
+    adapter: dict[str, object]
+    stack: ExitStack
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.key}"}
+
+    def usage(self, timeout: float = 10.0, count: int = 1) -> list[UsageRecord]:
+        deadline = time.monotonic() + timeout
+        while True:
+            with self.app.state.db.session() as session:
+                rows = list(session.scalars(select(UsageRecord).order_by(UsageRecord.id)))
+            if len(rows) >= count or time.monotonic() > deadline:
+                return rows
+            time.sleep(0.05)
+
+
+@pytest.fixture
+def setup(pg_url: str, app_factory: Callable[..., FastAPI], peft_dir: Path) -> Iterator[Setup]:
+    with ExitStack() as stack:
+        engines = {}
+        for name in ("e1", "e2"):
+            stub = StubEngine(name)
+            engines[stack.enter_context(serve(stub.app()))] = stub
+        stack.callback(lambda: [e.gate.set() for e in engines.values()])  # let stubs finish before stop
+        app = app_factory(pg_url)
+        url = stack.enter_context(serve(app))
+        admin = stack.enter_context(TestClient(app_factory(pg_url)))
+        api = Api(admin)
+        api.deployment("tiny", "tiny-llama", list(engines), shape=SHAPE)
+        tenant, headers = api.tenant_with_key("acme")
+        made = upload(admin, headers, loose(peft_dir), name="poet")
+        assert made.status_code == 201, made.text
+        yield Setup(
+            app, url, engines, admin, str(tenant["id"]), headers["Authorization"][7:], made.json(), stack
+        )
+
+
+def chat(model: str = "poet", **extra: object) -> dict[str, object]:
+    return {"model": model, "messages": [{"role": "user", "content": "Write a poem."}], **extra}
+
+
+def test_routes_by_adapter_affinity_with_headers_and_falls_back(setup: Setup) -> None:
+    sha = str(setup.adapter["sha256"])
+    preferred, other = rendezvous_order(f"adapter:{sha}", list(setup.engines))
+    with httpx.Client(base_url=setup.url, headers=setup.headers, timeout=10) as client:
+        for _ in range(4):
+            response = client.post("/v1/chat/completions", json=chat())
+            assert response.status_code == 200, response.text
+            assert response.json()["served_by"] == setup.engines[preferred].name
+        assert setup.engines[other].received == []
+        seen = setup.engines[preferred].received[0]
+        headers = seen["headers"]
+        assert headers["x-loraplex-tenant"] == setup.tenant_id
+        assert headers["x-loraplex-adapter-sha256"] == sha
+        assert headers["x-loraplex-internal-token"] == "internal-test-token"
+        assert fetch_local(headers["x-loraplex-adapter-uri"], sha).is_dir()  # the engine can fetch it
+        assert setup.key not in json.dumps(seen)  # the tenant's key never reaches the engine
+        assert seen["body"]["model"] == "poet"
+
+        # The base model goes through too, without adapter headers.
+        response = client.post("/v1/completions", json={"model": "tiny-llama", "prompt": "hi"})
+        assert response.status_code == 200
+        base_calls = [r for e in setup.engines.values() for r in e.received if r["path"] == "/v1/completions"]
+        assert "x-loraplex-adapter-uri" not in base_calls[0]["headers"]
+
+    # The preferred replica goes down (its address now refuses connections): the adapter moves on.
+    for _ in range(200):  # a closed address that still ranks first for this adapter
+        closed = f"http://127.0.0.1:{free_port()}"
+        endpoints = [closed if e == preferred else e for e in setup.engines]
+        order = rendezvous_order(f"adapter:{sha}", endpoints)
+        if order[0] == closed:
+            break
+    with setup.app.state.db.session() as session:
+        deployment = session.scalar(select(Deployment))
+        assert deployment is not None
+        deployment.endpoints = endpoints
+        session.commit()
+    with httpx.Client(base_url=setup.url, headers=setup.headers, timeout=10) as client:
+        before = len(setup.engines[other].received)
+        response = client.post("/v1/chat/completions", json=chat())
+        assert response.status_code == 200, response.text
+        assert response.json()["served_by"] == setup.engines[other].name
+        assert len(setup.engines[other].received) == before + 1
+    assert order[0] == closed  # the fallback really was exercised
+
+
+def test_streams_without_buffering_and_records_exact_usage(setup: Setup) -> None:
+    for stub in setup.engines.values():
+        stub.gate.clear()
+    with httpx.Client(base_url=setup.url, headers=setup.headers, timeout=10) as client:
+        with client.stream("POST", "/v1/chat/completions", json=chat(stream=True)) as response:
+            assert response.status_code == 200
+            assert response.headers["content-type"].startswith("text/event-stream")
+            lines = response.iter_lines()
+            first = next(line for line in lines if line)
+            # The engine is still holding the rest: the first chunk came through on its own.
+            assert json.loads(first[6:])["choices"][0]["delta"]["content"] == "t0 "
+            assert sum(e.chunks_sent for e in setup.engines.values()) == 1
+            for stub in setup.engines.values():
+                stub.gate.set()
+            rest = [line for line in lines if line]
+        assert rest[-1] == "data: [DONE]"
+        assert json.loads(rest[-2][6:])["usage"]["completion_tokens"] == 4
+    [row] = setup.usage()
+    assert (row.status, row.prompt_tokens, row.completion_tokens, row.exact) == ("ok", 5, 4, True)
+    assert row.model == "poet" and row.adapter_id is not None and str(row.tenant_id) == setup.tenant_id
+
+
+def test_client_disconnect_mid_stream_still_records_usage(setup: Setup) -> None:
+    for stub in setup.engines.values():
+        stub.gate.clear()
+    client = httpx.Client(base_url=setup.url, headers=setup.headers, timeout=10)
+    with client, client.stream("POST", "/v1/chat/completions", json=chat(stream=True)) as response:
+        first = next(line for line in response.iter_lines() if line)
+        assert first.startswith("data: ")
+    # leaving the block closed the connection mid-stream; the engine is still holding the rest
+    [row] = setup.usage()
+    assert row.status == "client_disconnected"
+    assert row.exact is False and row.completion_tokens == 1 and row.prompt_tokens >= 1
+
+
+def test_stream_without_final_usage_is_estimated(setup: Setup) -> None:
+    for stub in setup.engines.values():
+        stub.send_usage = False
+    with httpx.Client(base_url=setup.url, headers=setup.headers, timeout=10) as client:
+        text = client.post("/v1/chat/completions", json=chat(stream=True)).text
+    assert text.endswith("data: [DONE]\n\n")
+    [row] = setup.usage()
+    assert (row.status, row.completion_tokens, row.exact) == ("ok_estimated", 4, False)
+
+
+def _fire(urls: list[str], headers: dict[str, str], body: dict[str, object], n: int) -> list[httpx.Response]:
+    def one(i: int) -> httpx.Response:
+        with httpx.Client(base_url=urls[i % len(urls)], headers=headers, timeout=20) as client:
+            return client.post("/v1/chat/completions", json=body)
+
+    with ThreadPoolExecutor(max_workers=n) as pool:
+        return list(pool.map(one, range(n)))
+
+
+def test_requests_per_minute_hold_across_gateway_replicas(
+    setup: Setup, pg_url: str, app_factory: Callable[..., FastAPI]
+) -> None:
+    setup.admin.put(
+        f"/admin/v1/tenants/{setup.tenant_id}/quota", json={"requests_per_minute": 5}, headers=ADMIN
+    )
+    second = setup.stack.enter_context(serve(app_factory(pg_url)))
+    if time.time() % 60 > 55:  # keep the burst inside one minute window
+        time.sleep(61 - time.time() % 60)
+    responses = _fire([setup.url, second], setup.headers, chat(), 16)
+    codes = sorted(r.status_code for r in responses)
+    assert codes == [200] * 5 + [429] * 11
+    refused = next(r for r in responses if r.status_code == 429)
+    assert 1 <= int(refused.headers["Retry-After"]) <= 60
+    assert refused.json()["error"]["code"] == "rate_limit_exceeded"
+    assert "5 requests per minute" in refused.json()["error"]["message"]
+
+
+def test_tokens_per_minute_hold_under_concurrency(setup: Setup) -> None:
+    tpm = 100
+    setup.admin.put(
+        f"/admin/v1/tenants/{setup.tenant_id}/quota", json={"tokens_per_minute": tpm}, headers=ADMIN
+    )
+    for stub in setup.engines.values():
+        stub.delay_s = 1.0  # every admitted request holds its reservation while the burst arrives
+    if time.time() % 60 > 55:
+        time.sleep(61 - time.time() % 60)
+    body = chat(max_tokens=40)
+    responses = _fire([setup.url], setup.headers, body, 10)
+    admitted = sum(r.status_code == 200 for r in responses)
+    assert admitted == math.ceil(tpm / reservation(body, 256))
+    assert all(r.status_code in (200, 429) for r in responses)
+    rows = setup.usage(count=admitted)
+    assert len(rows) == admitted and all(r.completion_tokens == 4 for r in rows)
+
+
+def test_openai_sdk_against_the_gateway(setup: Setup) -> None:
+    client = openai.OpenAI(base_url=f"{setup.url}/v1", api_key=setup.key, max_retries=0, timeout=10)
+    reply = client.chat.completions.create(model="poet", messages=[{"role": "user", "content": "hi"}])
+    assert reply.choices[0].message.content == "hi" and reply.usage and reply.usage.completion_tokens == 4
+    chunks = list(
+        client.chat.completions.create(
+            model="poet", messages=[{"role": "user", "content": "hi"}], stream=True
+        )
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "t0 t1 t2 t3 "
+    assert {m.id for m in client.models.list()} == {"poet", "tiny-llama"}
+
+    other = Api(setup.admin)
+    _, other_headers = other.tenant_with_key("other")
+    intruder = openai.OpenAI(
+        base_url=f"{setup.url}/v1", api_key=other_headers["Authorization"][7:], max_retries=0, timeout=10
+    )
+    errors = []
+    for model in ("poet", "no-such-adapter"):
+        with pytest.raises(openai.NotFoundError) as caught:
+            intruder.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}])
+        errors.append(caught.value.body)
+    assert errors[0] == json.loads(json.dumps(errors[1]).replace("no-such-adapter", "poet"))
+    assert "poet" not in {m.id for m in intruder.models.list()}
+
+    bad = openai.OpenAI(base_url=f"{setup.url}/v1", api_key="lpx_nope", max_retries=0, timeout=10)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+
+    setup.admin.put(
+        f"/admin/v1/tenants/{setup.tenant_id}/quota", json={"requests_per_minute": 0}, headers=ADMIN
+    )
+    with pytest.raises(openai.RateLimitError):
+        client.chat.completions.create(model="poet", messages=[{"role": "user", "content": "hi"}])
+
+
+def test_usage_summary_by_day_and_model(setup: Setup) -> None:
+    with httpx.Client(base_url=setup.url, headers=setup.headers, timeout=10) as client:
+        for _ in range(2):
+            assert client.post("/v1/chat/completions", json=chat()).status_code == 200
+        assert client.post("/v1/completions", json={"model": "tiny-llama", "prompt": "x"}).status_code == 200
+    setup.usage(count=3)
+    summary = setup.admin.get("/api/v1/usage", headers=setup.headers).json()
+    by_model = {r["model"]: r for r in summary["rows"]}
+    assert by_model["poet"]["requests"] == 2 and by_model["poet"]["completion_tokens"] == 8
+    assert by_model["tiny-llama"]["requests"] == 1
+    assert summary["requests"] == 3 and summary["prompt_tokens"] == 15
+
+
+def test_unreachable_deployment_is_503_and_recorded(pg_url: str, app_factory: Callable[..., FastAPI]) -> None:
+    with TestClient(app_factory(pg_url, engine_connect_timeout_s=2.0)) as client:
+        api = Api(client)
+        api.deployment("gone", "tiny-llama", [f"http://127.0.0.1:{free_port()}"], shape=SHAPE)
+        _, headers = api.tenant_with_key("acme")
+        response = client.post(
+            "/v1/completions", json={"model": "tiny-llama", "prompt": "x"}, headers=headers
+        )
+        assert response.status_code == 503 and response.json()["error"]["type"] == "server_error"
+        with client.app.state.db.session() as session:  # type: ignore[attr-defined]
+            assert [r.status for r in session.scalars(select(UsageRecord))] == ["no_replica"]

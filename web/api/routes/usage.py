@@ -1,0 +1,22 @@
+"""Tenant: usage by day and model."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Query
+
+from ...schemas import UsageSummary
+from ...services import usage
+from ..deps import CurrentTenant, SessionDep
+
+router = APIRouter(prefix="/api/v1/usage", tags=["usage"])
+
+
+@router.get("")
+def get_usage(
+    session: SessionDep,
+    principal: CurrentTenant,
+    days: Annotated[int, Query(ge=1, le=366, description="How many days back, today included.")] = 30,
+) -> UsageSummary:
+    return usage.summarize(session, principal.tenant_id, days)

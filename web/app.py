@@ -1,0 +1,64 @@
+"""The control plane's FastAPI application, made by `create_app(settings)`; nothing is created at import."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from .api.limits import BodySizeLimit
+from .api.routes import adapters, deployments, gateway, health, keys, tenants, usage
+from .db.session import Database
+from .services.errors import QuotaExceeded, ServiceError
+from .services.routing import Router
+from .settings import Settings
+
+log = logging.getLogger("loraplex.web")
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    settings = settings or Settings()
+    db = Database(settings.database_url)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        # One pooled client per process for the engine replicas; made in the serving event loop.
+        timeout = httpx.Timeout(
+            settings.engine_read_timeout_s, connect=settings.engine_connect_timeout_s, pool=30.0
+        )
+        app.state.http = httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=512))
+        try:
+            yield
+        finally:
+            await app.state.http.aclose()
+            db.dispose()
+
+    app = FastAPI(
+        title="loraplex control plane",
+        version="0.1.0",
+        description="Tenants, API keys, adapters, quotas, usage, and the OpenAI-compatible gateway.",
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+    app.state.db = db
+    app.state.pepper = settings.pepper()
+    app.state.engine_token = settings.engine_token()
+    app.state.router = Router(cooldown_s=settings.endpoint_cooldown_s)
+
+    app.add_middleware(
+        BodySizeLimit, upload_paths=("/api/v1/adapters",), upload_bytes=settings.max_upload_bytes
+    )
+    app.add_exception_handler(ServiceError, _service_error)  # type: ignore[arg-type]
+    for module in (health, tenants, deployments, keys, adapters, usage, gateway):
+        app.include_router(module.router)
+    gateway.install_error_handlers(app)
+    return app
+
+
+async def _service_error(request: Request, exc: ServiceError) -> JSONResponse:
+    headers = {"Retry-After": str(exc.retry_after)} if isinstance(exc, QuotaExceeded) else None
+    return JSONResponse({"detail": exc.message}, status_code=exc.status_code, headers=headers)

@@ -1,0 +1,172 @@
+"""The control plane's tables, as SQLAlchemy 2 typed models (migrations/ mirrors them)."""
+
+from __future__ import annotations
+
+import datetime as dt
+import enum
+import uuid
+from typing import Any, ClassVar
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Date,
+    DateTime,
+    Enum,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Text,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+
+# Names every constraint, so migrations can refer to them on Postgres and SQLite alike.
+NAMING = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+# An autoincrementing 64-bit key on Postgres; SQLite only autoincrements INTEGER PRIMARY KEY.
+BigId = BigInteger().with_variant(Integer(), "sqlite")
+
+
+def utcnow() -> dt.datetime:
+    return dt.datetime.now(dt.UTC)
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING)
+    type_annotation_map: ClassVar[dict[Any, Any]] = {
+        dt.datetime: DateTime(timezone=True),
+        dict[str, Any]: JSON,
+        list[str]: JSON,
+    }
+
+
+class AdapterStatus(enum.StrEnum):
+    UPLOADED = "uploaded"
+    VALIDATING = "validating"
+    READY = "ready"
+    FAILED = "failed"
+
+
+class Tenant(Base):
+    __tablename__ = "tenants"
+
+    id: Mapped[uuid.UUID] = mapped_column(primary_key=True, default=uuid.uuid4)
+    name: Mapped[str] = mapped_column(String(128), unique=True)
+    disabled: Mapped[bool] = mapped_column(default=False)
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+
+    quota: Mapped[Quota | None] = relationship(back_populates="tenant", cascade="all, delete-orphan")
+
+
+class ApiKey(Base):
+    __tablename__ = "api_keys"
+
+    id: Mapped[uuid.UUID] = mapped_column(primary_key=True, default=uuid.uuid4)
+    tenant_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
+    name: Mapped[str] = mapped_column(String(128))
+    # HMAC-SHA256 of the key under the server's pepper (hex); the key itself is never stored.
+    key_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    prefix: Mapped[str] = mapped_column(String(16))
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    expires_at: Mapped[dt.datetime | None]
+    revoked_at: Mapped[dt.datetime | None]
+    last_used_at: Mapped[dt.datetime | None]
+
+
+class Deployment(Base):
+    __tablename__ = "deployments"
+
+    id: Mapped[uuid.UUID] = mapped_column(primary_key=True, default=uuid.uuid4)
+    name: Mapped[str] = mapped_column(String(128), unique=True)
+    base_model: Mapped[str] = mapped_column(String(256))
+    # The base model's shapes, copied in so the control plane validates adapters without the engine.
+    num_layers: Mapped[int]
+    hidden_size: Mapped[int]
+    intermediate_size: Mapped[int]
+    q_size: Mapped[int]
+    kv_size: Mapped[int]
+    endpoints: Mapped[list[str]]
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+
+
+class Adapter(Base):
+    __tablename__ = "adapters"
+    __table_args__ = (UniqueConstraint("tenant_id", "name", name="uq_adapters_tenant_id_name"),)
+
+    id: Mapped[uuid.UUID] = mapped_column(primary_key=True, default=uuid.uuid4)
+    tenant_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
+    deployment_id: Mapped[uuid.UUID] = mapped_column(
+        ForeignKey("deployments.id", ondelete="RESTRICT"), index=True
+    )
+    name: Mapped[str] = mapped_column(String(128))
+    status: Mapped[AdapterStatus] = mapped_column(
+        Enum(AdapterStatus, name="adapter_status", values_callable=lambda e: [m.value for m in e]),
+        default=AdapterStatus.UPLOADED,
+    )
+    error: Mapped[str | None] = mapped_column(Text)
+    rank: Mapped[int | None]
+    target_modules: Mapped[list[str]] = mapped_column(default=list)
+    bytes: Mapped[int] = mapped_column(BigInteger, default=0)
+    sha256: Mapped[str | None] = mapped_column(String(64))
+    storage_uri: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+
+    deployment: Mapped[Deployment] = relationship()
+
+
+class Quota(Base):
+    """Limits of one tenant; None means unlimited."""
+
+    __tablename__ = "quotas"
+
+    tenant_id: Mapped[uuid.UUID] = mapped_column(
+        ForeignKey("tenants.id", ondelete="CASCADE"), primary_key=True
+    )
+    requests_per_minute: Mapped[int | None]
+    tokens_per_minute: Mapped[int | None]
+    max_adapters: Mapped[int | None]
+    max_adapter_bytes: Mapped[int | None] = mapped_column(BigInteger)
+
+    tenant: Mapped[Tenant] = relationship(back_populates="quota")
+
+
+class RateWindow(Base):
+    """Requests and tokens of one tenant in one wall-clock minute, shared by every gateway replica."""
+
+    __tablename__ = "rate_windows"
+
+    tenant_id: Mapped[uuid.UUID] = mapped_column(
+        ForeignKey("tenants.id", ondelete="CASCADE"), primary_key=True
+    )
+    minute: Mapped[int] = mapped_column(BigInteger, primary_key=True)  # unix time // 60
+    requests: Mapped[int] = mapped_column(default=0)
+    tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+
+
+class UsageRecord(Base):
+    __tablename__ = "usage_records"
+    __table_args__ = (Index("ix_usage_records_tenant_day", "tenant_id", "day"),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    tenant_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    api_key_id: Mapped[uuid.UUID | None] = mapped_column(ForeignKey("api_keys.id", ondelete="SET NULL"))
+    adapter_id: Mapped[uuid.UUID | None] = mapped_column(ForeignKey("adapters.id", ondelete="SET NULL"))
+    # The model the tenant asked for, kept after the adapter is deleted.
+    model: Mapped[str] = mapped_column(String(256))
+    endpoint: Mapped[str] = mapped_column(String(64))
+    prompt_tokens: Mapped[int] = mapped_column(default=0)
+    completion_tokens: Mapped[int] = mapped_column(default=0)
+    # False when the counts are estimated (no usage came back from the engine).
+    exact: Mapped[bool] = mapped_column(default=True)
+    latency_ms: Mapped[int] = mapped_column(default=0)
+    status: Mapped[str] = mapped_column(String(32))
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    day: Mapped[dt.date] = mapped_column(Date)

@@ -1,0 +1,1 @@
+"""The control plane's logic; routes call these, these use web.db."""

@@ -1,0 +1,60 @@
+"""Usage records, written once per gateway request, and their summary by day and model."""
+
+from __future__ import annotations
+
+import datetime as dt
+import uuid
+from dataclasses import dataclass
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from ..db.models import UsageRecord, utcnow
+from ..schemas import UsageRow, UsageSummary
+
+
+@dataclass
+class Usage:
+    tenant_id: uuid.UUID
+    api_key_id: uuid.UUID | None
+    adapter_id: uuid.UUID | None
+    model: str
+    endpoint: str
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    exact: bool = True
+    latency_ms: int = 0
+    status: str = "ok"
+
+
+def record(session: Session, usage: Usage) -> None:
+    now = utcnow()
+    session.add(UsageRecord(**vars(usage), created_at=now, day=now.date()))
+    session.commit()
+
+
+def summarize(session: Session, tenant_id: uuid.UUID, days: int) -> UsageSummary:
+    since = utcnow().date() - dt.timedelta(days=days - 1)
+    rows = session.execute(
+        select(
+            UsageRecord.day,
+            UsageRecord.model,
+            func.count(),
+            func.coalesce(func.sum(UsageRecord.prompt_tokens), 0),
+            func.coalesce(func.sum(UsageRecord.completion_tokens), 0),
+        )
+        .where(UsageRecord.tenant_id == tenant_id, UsageRecord.day >= since)
+        .group_by(UsageRecord.day, UsageRecord.model)
+        .order_by(UsageRecord.day, UsageRecord.model)
+    ).all()
+    out = [
+        UsageRow(day=day, model=model, requests=n, prompt_tokens=int(p), completion_tokens=int(c))
+        for day, model, n, p, c in rows
+    ]
+    return UsageSummary(
+        since=since,
+        rows=out,
+        requests=sum(r.requests for r in out),
+        prompt_tokens=sum(r.prompt_tokens for r in out),
+        completion_tokens=sum(r.completion_tokens for r in out),
+    )

@@ -1,0 +1,61 @@
+"""The control plane's one settings class, read from LORAPLEX_* environment variables."""
+
+from __future__ import annotations
+
+import secrets
+from pathlib import Path
+
+from pydantic import Field, SecretStr, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    """Everything the control plane needs; unset secrets are generated once and kept under data_dir."""
+
+    model_config = SettingsConfigDict(env_prefix="LORAPLEX_", extra="ignore")
+
+    data_dir: Path = Field(default_factory=lambda: Path.home() / ".loraplex")
+    # SQLite under data_dir when unset (the single-machine default); postgresql+psycopg://... in a cluster.
+    database_url: str = ""
+    admin_token: SecretStr | None = None
+    key_pepper: SecretStr | None = None
+    internal_token: SecretStr | None = None
+    artifact_root: Path | None = None
+    max_upload_bytes: int = Field(default=512 * 1024 * 1024, gt=0)
+    engine_connect_timeout_s: float = Field(default=5.0, gt=0)
+    engine_read_timeout_s: float = Field(default=300.0, gt=0)
+    # A replica that refused a connection is skipped for this long before it is tried again.
+    endpoint_cooldown_s: float = Field(default=10.0, ge=0)
+    # Tokens reserved against tokens-per-minute when a request names no max_tokens.
+    default_max_tokens: int = Field(default=256, gt=0)
+
+    @model_validator(mode="after")
+    def _defaults(self) -> Settings:
+        if not self.database_url:
+            self.database_url = f"sqlite:///{self.data_dir / 'loraplex.db'}"
+        if self.artifact_root is None:
+            self.artifact_root = self.data_dir / "artifacts"
+        return self
+
+    def pepper(self) -> bytes:
+        return _secret(self.key_pepper, self.data_dir / "key_pepper").encode()
+
+    def engine_token(self) -> str:
+        return _secret(self.internal_token, self.data_dir / "internal_token")
+
+    def artifacts(self) -> Path:
+        assert self.artifact_root is not None  # set by _defaults
+        return self.artifact_root
+
+
+def _secret(value: SecretStr | None, path: Path) -> str:
+    """The configured secret, else the one kept in `path` (made once, readable by its owner only)."""
+    if value is not None:
+        return value.get_secret_value()
+    if path.is_file():
+        return path.read_text().strip()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    token = secrets.token_urlsafe(32)
+    path.touch(mode=0o600)
+    path.write_text(token)
+    return token
