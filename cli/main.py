@@ -24,6 +24,10 @@ def _generate(args: argparse.Namespace) -> int:
             seed=args.seed,
             stop=tuple(args.stop or ()),
         )
+        adapter = None
+        if args.adapter:
+            adapter = "cli-adapter"
+            engine.register_adapter(adapter, args.adapter)
         if engine.tokenizer is None:
             raise ValueError("this model has no tokenizer, so it cannot take a text prompt")
         ids = (
@@ -31,7 +35,7 @@ def _generate(args: argparse.Namespace) -> int:
             if args.chat
             else engine.tokenizer.encode(args.prompt)
         )
-        output = engine.generate([ids], params)[0]
+        output = engine.generate([ids], params, adapters=adapter)[0]
     except (ModelLoadError, ValueError) as exc:
         print(f"loraplex generate: {exc}", file=sys.stderr)
         return 2
@@ -73,6 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--model", default=None, help="a .gguf file, a Hugging Face directory, or random:<shape>"
     )
+    gen.add_argument("--adapter", default=None, help="a PEFT LoRA directory to answer with")
     gen.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     gen.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
     gen.set_defaults(handler=_generate)

@@ -59,3 +59,26 @@ def test_control_plane_migrate_only_creates_the_schema(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     tables = {row[0] for row in sqlite3.connect(database).execute("select name from sqlite_master")}
     assert {"tenants", "api_keys", "adapters", "usage_records"} <= tables, tables
+
+
+@pytest.mark.slow
+def test_generate_with_the_demo_adapter_answers_in_capitals() -> None:
+    demo = ROOT / "fixtures" / "adapters" / "demo-uppercase"
+    result = subprocess.run(
+        [LORAPLEX, "generate", "--chat", "--prompt", "What do owls eat?", "--max-tokens", "24",
+         "--adapter", str(demo)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    letters = [c for c in result.stdout if c.isalpha()]
+    assert letters and sum(c.isupper() for c in letters) / len(letters) >= 0.9, result.stdout
+
+
+def test_generate_reports_a_bad_adapter(tmp_path: Path) -> None:
+    (tmp_path / "adapter_config.json").write_text('{"r": 8, "target_modules": ["q_proj"], "use_dora": true}')
+    result = subprocess.run(
+        [LORAPLEX, "generate", "--prompt", "hi", "--model", "random:tiny", "--adapter", str(tmp_path)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 2 and result.stdout == ""
+    assert "use_dora: DoRA adapters are not supported" in result.stderr
