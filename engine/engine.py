@@ -55,7 +55,8 @@ class LLMEngine:
             raise ValueError("the pool needs at least 2 pages (page 0 is reserved as the zero page)")
         self.pool = PagePool(num_pages)
         # Page 0 stays zero forever: padded block tables and LoRA stacks point at it.
-        assert self.pool.allocate(1, "zero-page", PageKind.RESERVED) == [0]
+        if self.pool.allocate(1, "zero-page", PageKind.RESERVED) != [0]:
+            raise RuntimeError("a fresh pool must hand out page 0 first")
         self.cache = KVCache(model_config, num_pages, config.page_size, dtype, device)
         head_dim = model_config.head_dim
         self.adapters = AdapterResidency(

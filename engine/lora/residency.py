@@ -81,6 +81,10 @@ class AdapterResidency:
                 f"the pool has {self.pool.num_pages - 1}"
             )
         if name in self.resident:
+            if self.resident[name].references:
+                raise AdapterError(
+                    f"adapter {name!r} is serving requests; register the new version under another name"
+                )
             self._drop(name)
         self.registered[name] = Registered(name, directory, manifest, packed)
         return manifest
