@@ -61,7 +61,7 @@ def test_greedy_tokens_match_one_at_a_time(smollm2, prompts, reference) -> None:
     for ids, ref in zip(prompts, reference, strict=True):
         (output,) = engine.generate([ids], params)
         assert output.token_ids == ref["tokens"]
-    assert engine.pool.num_free == engine.pool.num_pages
+    assert engine.pool.pages_by_kind()["kv"] == 0
 
 
 def test_greedy_tokens_match_concurrently_under_preemption(smollm2, prompts, reference) -> None:
@@ -81,7 +81,7 @@ def test_greedy_tokens_match_concurrently_under_preemption(smollm2, prompts, ref
     assert preemptions > 0, "the pool was meant to be small enough to force preemption"
     for request_id, ref in zip(ids, reference, strict=True):
         assert finished[request_id].token_ids == ref["tokens"], request_id
-    assert engine.pool.num_free == engine.pool.num_pages
+    assert engine.pool.pages_by_kind()["kv"] == 0
 
 
 def test_concurrent_logits_match(smollm2, prompts, reference) -> None:
