@@ -4,6 +4,7 @@ preemption."""
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import pytest
@@ -63,26 +64,16 @@ def peft_model(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-unt
 
 
 def reference_tokens(model, prompt: list[int], adapter: str | None) -> list[int]:  # type: ignore[no-untyped-def]
+    """transformers + PEFT, this request alone, with its adapter (or with adapters disabled)."""
     ids = torch.tensor([prompt])
-    with torch.inference_mode():
-        if adapter is None:
-            with model.disable_adapter():
-                out = model.generate(
-                    input_ids=ids,
-                    attention_mask=torch.ones_like(ids),
-                    max_new_tokens=NEW_TOKENS,
-                    do_sample=False,
-                    pad_token_id=2,
-                )
-        else:
-            model.set_adapter(adapter)
-            out = model.generate(
-                input_ids=ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=NEW_TOKENS,
-                do_sample=False,
-                pad_token_id=2,
-            )
+    if adapter is not None:
+        model.set_adapter(adapter)
+    adapters_off = model.disable_adapter() if adapter is None else contextlib.nullcontext()
+    with torch.inference_mode(), adapters_off:
+        out = model.generate(
+            input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False,
+            pad_token_id=2,
+        )  # fmt: skip
     return out[0, len(prompt) :].tolist()
 
 
