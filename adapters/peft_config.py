@@ -118,7 +118,7 @@ def parse_config(raw: dict[str, Any]) -> LoraConfig:
         raise AdapterError("target_modules is empty: the adapter must name the projections it adapts")
     target_modules: tuple[str, ...] | str
     if isinstance(targets, str):
-        target_modules = _all_linear() if targets == "all-linear" else targets
+        target_modules = tuple(_SHORT_NAMES) if targets == "all-linear" else targets
         if isinstance(target_modules, str):
             _check_regex(target_modules, "target_modules")
     elif isinstance(targets, list) and all(isinstance(t, str) for t in targets):
@@ -165,10 +165,6 @@ def parse_config(raw: dict[str, Any]) -> LoraConfig:
         fan_in_fan_out=bool(raw.get("fan_in_fan_out", False)),
         base_model_name_or_path=raw.get("base_model_name_or_path"),
     )
-
-
-def _all_linear() -> tuple[str, ...]:
-    return tuple(_SHORT_NAMES)
 
 
 def _refuse_if(condition: Any, name: str, reason: str) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -45,7 +45,6 @@ class Resident:
 class ResidencyStats:
     loads: int = 0
     evictions: int = 0
-    by_name: dict[str, int] = field(default_factory=dict)
 
 
 class AdapterResidency:
@@ -140,7 +139,6 @@ class AdapterResidency:
         self.resident[name] = Resident(pages, place(packed.a_rows), place(packed.b_rows))
         self.version += 1
         self.stats.loads += 1
-        self.stats.by_name[name] = self.stats.by_name.get(name, 0) + 1
         log.debug("loaded adapter %s into %d pages", name, needed)
         return True
 

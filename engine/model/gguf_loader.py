@@ -46,7 +46,7 @@ def read_metadata(reader: Any) -> dict[str, Any]:
     return metadata
 
 
-def config_from_metadata(metadata: dict[str, Any], path: Path) -> ModelConfig:
+def config_from_metadata(metadata: dict[str, Any], tensor_names: set[str], path: Path) -> ModelConfig:
     arch = metadata.get("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(
@@ -77,7 +77,7 @@ def config_from_metadata(metadata: dict[str, Any], path: Path) -> ModelConfig:
         rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=float(get("rope.freq_base", 10000.0)),
         max_position_embeddings=int(get("context_length", 4096)),
-        tie_word_embeddings=not any(t.name == "output.weight" for t in metadata["__tensors__"]),
+        tie_word_embeddings="output.weight" not in tensor_names,
         attention_bias=arch == "qwen2",
         bos_token_id=_optional_int(metadata.get("tokenizer.ggml.bos_token_id")),
         eos_token_ids=(int(eos),) if eos is not None else (),
@@ -106,8 +106,7 @@ def load_gguf(path: Path) -> tuple[ModelConfig, dict[str, Any], dict[str, torch.
     except Exception as exc:
         raise ModelLoadError(f"{path}: not a readable GGUF file ({exc})") from exc
     metadata = read_metadata(reader)
-    metadata["__tensors__"] = reader.tensors
-    config = config_from_metadata(metadata, path)
+    config = config_from_metadata(metadata, {t.name for t in reader.tensors}, path)
     arch = metadata["general.architecture"]
     weights: dict[str, torch.Tensor] = {}
     for tensor in reader.tensors:
@@ -133,7 +132,6 @@ def load_gguf(path: Path) -> tuple[ModelConfig, dict[str, Any], dict[str, torch.
         elif arch == "llama" and tensor.name.endswith("attn_k.weight"):
             values = _unpermute(values, config.num_kv_heads)
         weights[name] = torch.from_numpy(np.array(values, dtype=np.float32, order="C", copy=True))
-    del metadata["__tensors__"]
     return config, metadata, weights
 
 
