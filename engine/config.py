@@ -21,6 +21,9 @@ class EngineConfig:
     max_num_seqs: int = 64  # requests in the running batch at most
     max_batch_tokens: int = 1024  # tokens computed per step at most (chunked prefill splits prompts to fit)
     max_model_len: int | None = None  # prompt + output tokens at most; None: the model's context length
+    adapter_host_cache_bytes: int = 4 << 30  # packed adapters kept in host memory (LRU beyond this)
+    max_resident_adapters: int | None = None  # adapters in the pool at once; None: as many as pages allow
+    adapter_prefetch_depth: int = 32  # queued requests whose adapters are read ahead into host memory
     seed: int = 0  # for random weights and for requests without a seed of their own
 
     def __post_init__(self) -> None:
@@ -28,11 +31,22 @@ class EngineConfig:
             raise ValueError(f"dtype must be auto or one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
-        for name in ("page_size", "max_num_seqs", "max_batch_tokens", "kv_cache_bytes"):
+        positive = (
+            "page_size",
+            "max_num_seqs",
+            "max_batch_tokens",
+            "kv_cache_bytes",
+            "adapter_host_cache_bytes",
+        )
+        for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.num_pages is not None and self.num_pages <= 0:
             raise ValueError(f"num_pages must be positive, got {self.num_pages}")
+        if self.max_resident_adapters is not None and self.max_resident_adapters <= 0:
+            raise ValueError(f"max_resident_adapters must be positive, got {self.max_resident_adapters}")
+        if self.adapter_prefetch_depth < 0:
+            raise ValueError(f"adapter_prefetch_depth must be 0 or more, got {self.adapter_prefetch_depth}")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
         if not 0.0 < self.gpu_memory_fraction < 1.0:

@@ -10,18 +10,19 @@ from typing import Any
 
 import torch
 
-from loraplex.adapters import AdapterManifest
+from loraplex.adapters import AdapterError, AdapterManifest
 
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
 from .kv_cache import KVCache, page_bytes
 from .lora.residency import AdapterResidency
+from .lora.sources import AdapterSource
 from .lora.step import LoraStacker
 from .model.loader import LoadedModel, load_model
 from .pool import PageKind, PagePool
 from .request import Request, RequestOutput, RequestStatus
 from .runner import ModelRunner
-from .sampler import sample
+from .sampler import sample, token_logprobs
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 
@@ -64,6 +65,8 @@ class LLMEngine:
             self.cache.memory.view(-1, head_dim),
             model_config.lora_shape(),
             rows_per_page=self.cache.pages().shape[1] // head_dim,
+            host_cache_bytes=config.adapter_host_cache_bytes,
+            max_resident=config.max_resident_adapters,
         )
         self.scheduler = Scheduler(
             self.pool, config.page_size, config.max_num_seqs, config.max_batch_tokens, self.adapters
@@ -94,9 +97,22 @@ class LLMEngine:
 
     # -- requests ---------------------------------------------------------------------------------
 
-    def register_adapter(self, name: str, path: str | Path) -> AdapterManifest:
-        """Make a PEFT LoRA directory servable as `name` (validated against this model; loaded on use)."""
-        return self.adapters.register(name, path)
+    def register_adapter(
+        self, name: str, source: str | Path | AdapterSource, sha256: str | None = None
+    ) -> AdapterManifest:
+        """Make an adapter servable as `name`: a PEFT directory (a path or file:// URI; with `sha256`,
+        only if its weights have that hash) or any AdapterSource. Validated against this model now,
+        read and loaded into the pool when a request needs it. Raises AdapterError naming the problem."""
+        if isinstance(source, str | Path):
+            return self.adapters.register_path(name, source, sha256)
+        return self.adapters.register(name, source)
+
+    def unregister_adapter(self, name: str) -> None:
+        """Stop serving `name` and free its pages; refused (AdapterError) while requests name it."""
+        users = sum(1 for r in self._requests.values() if r.adapter == name and not r.finished)
+        if users:
+            raise AdapterError(f"adapter {name!r} is in use by {users} request(s); retry when they finish")
+        self.adapters.unregister(name)
 
     def add_request(
         self,
@@ -110,6 +126,8 @@ class LLMEngine:
         params = params or SamplingParams()
         if adapter is not None and adapter not in self.adapters.registered:
             raise ValueError(f"adapter {adapter!r} is not registered")
+        if adapter is not None and adapter in self.adapters.failed:
+            raise ValueError(f"adapter {adapter!r} cannot be served: {self.adapters.failed[adapter]}")
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer; pass prompt token ids instead of text")
@@ -169,16 +187,19 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one batch: schedule, run the model, append sampled tokens. Returns touched requests."""
+        outputs = self._fail_broken_adapters()
         scheduled = self.scheduler.schedule()
+        self.adapters.prefetch(self._next_adapters())
         if not scheduled.chunks:
-            if self.scheduler.waiting and not self.scheduler.running:
+            outputs += self._fail_broken_adapters()  # an adapter may have failed while being admitted
+            if self.scheduler.waiting and not self.scheduler.running and not outputs:
                 raise RuntimeError("the scheduler could not admit any request into an empty pool")
-            return []
+            return outputs
         chunks = self.runner.order(scheduled.chunks)
         logits = self.runner.execute(self.runner.build(chunks))
         sampled = [c.request for c in chunks if c.samples]
         tokens = sample(logits, sampled)
-        outputs: list[RequestOutput] = []
+        token_logprobs(logits, sampled, tokens)
         for chunk in chunks:
             chunk.request.num_computed_tokens = chunk.end
         for row, (request, token) in enumerate(zip(sampled, tokens, strict=True)):
@@ -186,6 +207,27 @@ class LLMEngine:
                 request.last_logits = logits[row].cpu()
             outputs.append(self._append_token(request, token))
         return outputs
+
+    def _next_adapters(self) -> list[str]:
+        """Adapters of the requests next in the queue, in order: what to have in host memory soon."""
+        wanted: dict[str, None] = {}
+        for request in itertools.islice(self.scheduler.waiting, self.config.adapter_prefetch_depth):
+            if request.adapter is not None:
+                wanted[request.adapter] = None
+        return list(wanted)
+
+    def _fail_broken_adapters(self) -> list[RequestOutput]:
+        """Finish waiting requests whose adapter's weights could not be read, with the reason."""
+        failed = self.adapters.failed
+        if not failed:
+            return []
+        broken = [r for r in self.scheduler.waiting if r.adapter in failed]
+        for request in broken:
+            assert request.adapter is not None
+            request.error = f"adapter {request.adapter!r} failed to load: {failed[request.adapter]}"
+            self.scheduler.finish(request, "error")
+            self._requests.pop(request.request_id, None)
+        return [self._output(r) for r in broken]
 
     def _append_token(self, request: Request, token: int) -> RequestOutput:
         params = request.params
@@ -245,6 +287,8 @@ class LLMEngine:
             finish_reason=request.finish_reason,
             new_text=new_text,
             stop_reason=request.stop_reason,
+            logprobs=list(request.logprobs) if request.params.logprobs is not None else None,
+            error=request.error,
         )
 
     # -- offline API --------------------------------------------------------------------------------

@@ -13,6 +13,16 @@ if TYPE_CHECKING:  # the scheduler imports this module and must stay free of tor
     import torch
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability under the model (before temperature and filtering), and
+    the most likely alternatives at that position, most likely first."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -32,7 +42,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose keys and values are in the cache
     pages: list[int] = field(default_factory=list)
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     num_preemptions: int = 0
     detokenizer: IncrementalDetokenizer | None = None
     generator: torch.Generator | None = None
@@ -40,6 +50,8 @@ class Request:
     emitted_chars: int = 0  # text already handed out as deltas
     keep_logits: bool = False
     last_logits: torch.Tensor | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token, when asked for
+    error: str | None = None  # why the request finished with reason "error"
 
     @property
     def num_tokens(self) -> int:
@@ -76,3 +88,5 @@ class RequestOutput:
     finish_reason: str | None
     new_text: str = ""
     stop_reason: str | int | None = None
+    logprobs: list[TokenLogprob] | None = None  # every output token's, when the request asked for them
+    error: str | None = None  # finish_reason "error": what went wrong (e.g. its adapter failed to load)

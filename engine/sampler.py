@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .request import Request
+from .request import Request, TokenLogprob
 
 
 def sample(logits: torch.Tensor, requests: Sequence[Request]) -> list[int]:
@@ -35,3 +35,22 @@ def _filtered_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p:
         drop = (cumulative - sorted_logits.softmax(-1)) >= top_p
         logits = logits.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
     return logits.softmax(-1)
+
+
+def token_logprobs(logits: torch.Tensor, requests: Sequence[Request], tokens: Sequence[int]) -> None:
+    """Append each sampled token's log-probability (and the top alternatives) to the requests that asked.
+
+    Computed from the model's own distribution, before temperature and filtering, as vLLM does: the
+    figure means the same whatever the sampling parameters were."""
+    rows = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
+    if not rows:
+        return
+    logp = torch.log_softmax(logits[rows].float(), dim=-1)
+    widest = max(requests[i].params.logprobs or 0 for i in rows)
+    top_values, top_ids = logp.topk(widest, dim=-1) if widest else (logp[:, :0], logp[:, :0].long())
+    chosen = logp.gather(1, torch.tensor([[tokens[i]] for i in rows], device=logp.device))
+    chosen_list, top_v, top_i = chosen[:, 0].tolist(), top_values.tolist(), top_ids.tolist()
+    for j, i in enumerate(rows):
+        k = requests[i].params.logprobs or 0
+        top = list(zip(top_i[j][:k], top_v[j][:k], strict=True))
+        requests[i].logprobs.append(TokenLogprob(int(tokens[i]), float(chosen_list[j]), top))

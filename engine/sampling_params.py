@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+MAX_LOGPROBS = 20
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -16,6 +18,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default=())
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
+    logprobs: int | None = None  # None: none; k: the sampled token's log-probability and the k most likely
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -30,6 +33,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be 0 (no limit) or positive, got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must not be empty")
 

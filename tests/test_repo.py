@@ -55,3 +55,19 @@ def test_bookkeeping_imports_without_torch() -> None:
     result = run_in_root("-c", code)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "False"
+
+
+def test_every_package_is_listed_for_wheels() -> None:
+    """An editable install finds every folder; a wheel only has what pyproject's `packages` lists."""
+    import tomllib
+
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    mapped = {folder: name for name, folder in config["package-dir"].items()}
+    listed = set(config["packages"])
+    for init in ROOT.glob("*/**/__init__.py"):
+        folder = init.parent.relative_to(ROOT)
+        top = folder.parts[0]
+        if top not in mapped:
+            continue
+        name = ".".join([mapped[top], *folder.parts[1:]])
+        assert name in listed, f"{folder} is a package missing from pyproject's packages ({name})"

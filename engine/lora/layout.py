@@ -64,23 +64,14 @@ def pack_adapter(
         if width % head_dim:
             raise ValueError(f"projection width {width} is not a multiple of head_dim {head_dim}")
     by_module = {(m.layer, m.module): m for m in manifest.modules}
-    cursor = 0
+    cursor = _RowCursor(head_dim, rows_per_page)
     chunks: list[torch.Tensor] = []
     chunk_rows: list[torch.Tensor] = []
 
     def place(matrix: torch.Tensor) -> None:
-        """Put a [rank, width] matrix row by row, never across a page boundary."""
-        nonlocal cursor
         rank, width = matrix.shape
-        per_row = width // head_dim
-        starts = []
-        for _ in range(rank):
-            if cursor % rows_per_page + per_row > rows_per_page:  # would straddle a page
-                cursor += rows_per_page - cursor % rows_per_page
-            starts.append(cursor)
-            cursor += per_row
-        rows = torch.tensor(starts)[:, None] + torch.arange(per_row)[None, :]  # [rank, per_row]
-        chunks.append(matrix.reshape(rank * per_row, head_dim))
+        rows = cursor.place(rank, width)  # [rank, per_row]
+        chunks.append(matrix.reshape(rank * (width // head_dim), head_dim))
         chunk_rows.append(rows.flatten())
 
     starts_of: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -120,7 +111,36 @@ def pack_adapter(
         a_rows[group], b_rows[group] = a_index, b_index
     data = torch.cat(chunks) if chunks else torch.empty(0, head_dim)
     order = torch.cat(chunk_rows) if chunk_rows else torch.empty(0, dtype=torch.long)
-    return PackedAdapter(max(cursor, 1), data, order, a_rows, b_rows)
+    return PackedAdapter(max(cursor.position, 1), data, order, a_rows, b_rows)
+
+
+class _RowCursor:
+    """Hands out virtual rows for matrix rows, never letting one straddle a page."""
+
+    def __init__(self, head_dim: int, rows_per_page: int):
+        self.head_dim = head_dim
+        self.rows_per_page = rows_per_page
+        self.position = 0
+
+    def place(self, rank: int, width: int) -> torch.Tensor:
+        """Virtual rows [rank, width / head_dim] of a [rank, width] matrix placed next."""
+        per_row = width // self.head_dim
+        starts = []
+        for _ in range(rank):
+            if self.position % self.rows_per_page + per_row > self.rows_per_page:
+                self.position += self.rows_per_page - self.position % self.rows_per_page
+            starts.append(self.position)
+            self.position += per_row
+        return torch.tensor(starts, dtype=torch.long)[:, None] + torch.arange(per_row)[None, :]
+
+
+def count_rows(manifest: AdapterManifest, head_dim: int, rows_per_page: int) -> int:
+    """The virtual rows `pack_adapter` will use for this manifest, known before reading any weights."""
+    cursor = _RowCursor(head_dim, rows_per_page)
+    for lora in sorted(manifest.modules, key=lambda m: (m.layer, m.module)):
+        cursor.place(lora.rank, lora.in_features)
+        cursor.place(lora.rank, lora.out_features)
+    return max(cursor.position, 1)
 
 
 def physical_rows(virtual: torch.Tensor, pages: list[int], rows_per_page: int) -> torch.Tensor:

@@ -1,36 +1,46 @@
 """Which adapters live in the pool, and loading them into pages on demand.
 
-Registered adapters are validated, read and packed once (the host copy); an adapter is resident while
-it owns pages of the pool (kind `adapter`, the same allocator and budget as the KV cache). A running
-request holds a reference to its adapter; adapters nobody holds stay resident until their pages are
-wanted, then the least recently used goes first. The scheduler only calls acquire / release /
-evict_unused: bookkeeping it can reason about without touching the device.
+Three tiers, as in S-LoRA: registered adapters are validated sources (a manifest and a way to read
+the weights); the host cache holds packed copies of the recently used ones within a byte budget and
+prefetches those of queued requests; an adapter is resident while it owns pages of the pool (kind
+`adapter`, the same allocator and budget as the KV cache). A running request holds a reference to its
+adapter; adapters nobody holds stay resident until their pages are wanted, then the least recently used
+goes first. The scheduler only calls pages_needed / acquire / release / evict_unused: bookkeeping it
+can reason about without touching the device.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from loraplex.adapters import AdapterError, AdapterManifest, BaseShape, inspect_adapter
-from loraplex.adapters.weights import load_lora_weights
+from loraplex.adapters import AdapterError, AdapterManifest, BaseShape
 
 from ..pool import PageKind, PagePool
-from .layout import PackedAdapter, pack_adapter, physical_rows
+from .host_cache import HostCache
+from .layout import PackedAdapter, count_rows, pack_adapter, physical_rows
+from .sources import AdapterSource, DirectorySource
 
 log = logging.getLogger(__name__)
+
+DEFAULT_HOST_CACHE_BYTES = 4 << 30
 
 
 @dataclass
 class Registered:
     name: str
-    path: Path
-    manifest: AdapterManifest
-    packed: PackedAdapter
+    source: AdapterSource
+    pages: int  # pool pages it occupies when resident
+
+    @property
+    def manifest(self) -> AdapterManifest:
+        return self.source.manifest
 
 
 @dataclass
@@ -43,8 +53,9 @@ class Resident:
 
 @dataclass
 class ResidencyStats:
-    loads: int = 0
+    loads: int = 0  # copies into the pool
     evictions: int = 0
+    load_seconds: float = 0.0  # time spent making adapters resident (host reads included when not prefetched)
 
 
 class AdapterResidency:
@@ -54,47 +65,81 @@ class AdapterResidency:
         pool_rows: torch.Tensor,  # [num_pages * rows_per_page, head_dim] view of the pool memory
         base: BaseShape,
         rows_per_page: int,
+        host_cache_bytes: int = DEFAULT_HOST_CACHE_BYTES,
+        max_resident: int | None = None,
     ):
+        if max_resident is not None and max_resident < 1:
+            raise ValueError(f"max_resident must be at least 1, got {max_resident}")
         self.pool = pool
         self.pool_rows = pool_rows
         self.base = base
         self.head_dim = pool_rows.shape[1]
         self.rows_per_page = rows_per_page
+        self.max_resident = max_resident
+        self.host = HostCache(host_cache_bytes)
         self.registered: dict[str, Registered] = {}
         self.resident: dict[str, Resident] = {}
+        self.failed: dict[str, str] = {}  # name -> why its weights could not be loaded
         self._unused: OrderedDict[str, None] = OrderedDict()  # resident, unreferenced, oldest first
         self.version = 0  # changes whenever an adapter's pages change: stacked gathers are stale then
         self.stats = ResidencyStats()
 
-    def register(self, name: str, path: str | Path) -> AdapterManifest:
-        """Validate and pack a PEFT directory under `name` (AdapterError names what is wrong)."""
+    # -- registration -------------------------------------------------------------------------------
+
+    def register_path(self, name: str, uri: str | Path, sha256: str | None = None) -> AdapterManifest:
+        """Register the PEFT directory at a path or file:// URI; with `sha256`, only if its weights match."""
+        return self.register(name, DirectorySource.open(uri, self.base, sha256))
+
+    def register(self, name: str, source: AdapterSource) -> AdapterManifest:
+        """Make `source` servable under `name` (validated now, read when first needed). Registering a
+        name again replaces it, unless requests are using it."""
         if not name:
             raise AdapterError("an adapter needs a non-empty name")
-        directory = Path(path)
-        manifest = inspect_adapter(directory, self.base)
-        weights = load_lora_weights(directory, manifest, self.pool_rows.dtype)
-        packed = pack_adapter(manifest, weights, self.base, self.head_dim, self.rows_per_page)
-        if packed.pages_needed(self.rows_per_page) > self.pool.num_pages - 1:
+        manifest = source.manifest
+        rows = count_rows(manifest, self.head_dim, self.rows_per_page)
+        pages = -(-rows // self.rows_per_page)
+        if pages > self.pool.num_pages - 1:
             raise AdapterError(
-                f"adapter {name!r} needs {packed.pages_needed(self.rows_per_page)} pages; "
-                f"the pool has {self.pool.num_pages - 1}"
+                f"adapter {name!r} needs {pages} pages; the pool has {self.pool.num_pages - 1}"
             )
-        if name in self.resident:
-            if self.resident[name].references:
-                raise AdapterError(
-                    f"adapter {name!r} is serving requests; register the new version under another name"
-                )
-            self._drop(name)
-        self.registered[name] = Registered(name, directory, manifest, packed)
+        if name in self.registered:
+            self.unregister(name)
+        self.registered[name] = Registered(name, source, pages)
         return manifest
 
-    def pages_needed(self, name: str) -> int:
-        return 0 if name in self.resident else self.registered[name].packed.pages_needed(self.rows_per_page)
-
-    def acquire(self, name: str) -> bool:
-        """Hold `name` for a request, loading it into the pool if needed; False if no pages can be had."""
+    def unregister(self, name: str) -> None:
+        """Forget `name`: its pages and host copy are freed. Refused while a request holds it."""
         if name not in self.registered:
             raise AdapterError(f"adapter {name!r} is not registered")
+        resident = self.resident.get(name)
+        if resident is not None and resident.references:
+            raise AdapterError(
+                f"adapter {name!r} is serving requests; register the new version under another name"
+            )
+        if resident is not None:
+            self._drop(name)
+        del self.registered[name]
+        self.failed.pop(name, None)
+        self.host.discard(name)
+
+    # -- what the scheduler calls -----------------------------------------------------------------
+
+    def pages_needed(self, name: str) -> int:
+        return 0 if name in self.resident else self.registered[name].pages
+
+    def prefetch(self, names: Iterable[str]) -> None:
+        """Start reading the host copies of adapters about to be wanted (those of queued requests)."""
+        for name in names:
+            if name in self.registered and name not in self.resident and name not in self.failed:
+                self.host.prefetch(name, self._packer(name))
+
+    def acquire(self, name: str) -> bool:
+        """Hold `name` for a request, loading it into the pool if needed. False if no pages can be had,
+        or if its weights cannot be read (then `failed[name]` says why)."""
+        if name not in self.registered:
+            raise AdapterError(f"adapter {name!r} is not registered")
+        if name in self.failed:
+            return False
         if name not in self.resident and not self._load(name):
             return False
         resident = self.resident[name]
@@ -113,32 +158,61 @@ class AdapterResidency:
         """Free unreferenced adapters, least recently used first, until `pages_wanted` are free."""
         freed = 0
         while self._unused and self.pool.num_free < pages_wanted:
-            name = next(iter(self._unused))
-            freed += len(self.resident[name].pages)
-            self._drop(name)
-            self.stats.evictions += 1
+            freed += self._evict_oldest()
         return freed
 
+    def _evict_oldest(self) -> int:
+        name = next(iter(self._unused))
+        freed = len(self.resident[name].pages)
+        self._drop(name)
+        self.stats.evictions += 1
+        return freed
+
+    # -- moving weights -----------------------------------------------------------------------------
+
+    def _packer(self, name: str):  # type: ignore[no-untyped-def]
+        source = self.registered[name].source
+        dtype, pin = self.pool_rows.dtype, self.pool_rows.is_cuda
+
+        def pack() -> PackedAdapter:
+            packed = pack_adapter(
+                source.manifest, source.load(dtype), self.base, self.head_dim, self.rows_per_page
+            )
+            if pin:  # page-locked host memory: the copy into the pool runs at full bus speed
+                packed.data = packed.data.pin_memory()
+            return packed
+
+        return pack
+
     def _load(self, name: str) -> bool:
-        packed = self.registered[name].packed
-        needed = packed.pages_needed(self.rows_per_page)
+        needed = self.registered[name].pages
+        if self.max_resident is not None and len(self.resident) >= self.max_resident:
+            if not self._unused:
+                return False
+            self._evict_oldest()
         if not self.pool.can_allocate(needed):
             self.evict_unused(needed)
             if not self.pool.can_allocate(needed):
                 return False
+        began = time.perf_counter()
+        try:
+            packed = self.host.get(name, self._packer(name))
+        except AdapterError as error:
+            self.failed[name] = str(error)
+            log.warning("adapter %s failed to load: %s", name, error)
+            return False
         pages = self.pool.allocate(needed, ("adapter", name), PageKind.ADAPTER)
-        rows = physical_rows(packed.data_rows, pages, self.rows_per_page).to(self.pool_rows.device)
-        self.pool_rows.index_copy_(0, rows, packed.data.to(self.pool_rows.device, self.pool_rows.dtype))
+        device = self.pool_rows.device
+        rows = physical_rows(packed.data_rows, pages, self.rows_per_page).to(device)
+        self.pool_rows.index_copy_(0, rows, packed.data.to(device, self.pool_rows.dtype, non_blocking=True))
 
         def place(index: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-            return {
-                g: physical_rows(v, pages, self.rows_per_page).to(self.pool_rows.device)
-                for g, v in index.items()
-            }
+            return {g: physical_rows(v, pages, self.rows_per_page).to(device) for g, v in index.items()}
 
         self.resident[name] = Resident(pages, place(packed.a_rows), place(packed.b_rows))
         self.version += 1
         self.stats.loads += 1
+        self.stats.load_seconds += time.perf_counter() - began
         log.debug("loaded adapter %s into %d pages", name, needed)
         return True
 

@@ -1,0 +1,126 @@
+"""Adapters packed and ready in host memory: an LRU cache with a byte budget, filled in the background.
+
+Reading an adapter from storage and packing it for the pool takes milliseconds to seconds; copying a
+packed adapter into the pool takes microseconds. So the engine asks the cache to prefetch the adapters
+of requests next in the queue, a worker thread loads them while the model runs, and by the time a
+request is admitted its adapter is usually one copy away. The least recently used packed adapters are
+dropped when the budget is exceeded (a dropped adapter is simply read again when next wanted); the
+one being handed out is never dropped under the caller's feet.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+from .layout import PackedAdapter
+
+log = logging.getLogger(__name__)
+
+Packer = Callable[[], PackedAdapter]
+
+
+def packed_bytes(packed: PackedAdapter) -> int:
+    index = sum(t.numel() * t.element_size() for t in (*packed.a_rows.values(), *packed.b_rows.values()))
+    data = packed.data.numel() * packed.data.element_size()
+    return data + index + packed.data_rows.numel() * packed.data_rows.element_size()
+
+
+@dataclass
+class HostCacheStats:
+    hits: int = 0  # asked for and already packed
+    misses: int = 0  # asked for and read on the spot (prefetch came too late or never ran)
+    loads: int = 0  # packs made, in the background or on the spot
+    load_seconds: float = 0.0
+    evictions: int = 0
+    failures: int = 0
+
+
+class HostCache:
+    def __init__(self, budget_bytes: int, workers: int = 1):
+        if budget_bytes <= 0:
+            raise ValueError(f"the adapter host cache needs a positive byte budget, got {budget_bytes}")
+        self.budget_bytes = budget_bytes
+        self.stats = HostCacheStats()
+        self._packed: OrderedDict[str, tuple[PackedAdapter, int]] = OrderedDict()  # oldest first
+        self._pending: dict[str, Future[PackedAdapter]] = {}
+        self._lock = threading.Lock()
+        self._workers = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="adapter-prefetch")
+
+    @property
+    def bytes_used(self) -> int:
+        with self._lock:
+            return sum(size for _, size in self._packed.values())
+
+    def __contains__(self, name: str) -> bool:
+        with self._lock:
+            return name in self._packed
+
+    def ready(self, name: str) -> bool:
+        """Packed and waiting: handing it out will not block."""
+        return name in self
+
+    def prefetch(self, name: str, packer: Packer) -> None:
+        """Start packing `name` in the background unless it is packed or on its way."""
+        with self._lock:
+            if name in self._packed or name in self._pending:
+                return
+            self._pending[name] = self._workers.submit(self._pack, name, packer)
+
+    def get(self, name: str, packer: Packer) -> PackedAdapter:
+        """The packed adapter, waiting for a prefetch in flight or packing it now; raises what packing
+        raised (an AdapterError when the weights cannot be read)."""
+        with self._lock:
+            hit = self._packed.get(name)
+            if hit is not None:
+                self._packed.move_to_end(name)
+                self.stats.hits += 1
+                return hit[0]
+            pending = self._pending.get(name)
+            self.stats.misses += 1
+        if pending is not None:
+            return pending.result()
+        return self._pack(name, packer)
+
+    def discard(self, name: str) -> None:
+        with self._lock:
+            self._packed.pop(name, None)
+
+    def close(self) -> None:
+        self._workers.shutdown(wait=True, cancel_futures=True)
+
+    def _pack(self, name: str, packer: Packer) -> PackedAdapter:
+        began = time.perf_counter()
+        try:
+            packed = packer()
+        except BaseException:
+            with self._lock:
+                self.stats.failures += 1
+                self._pending.pop(name, None)  # the next get tries again, and raises what it finds
+            log.warning("could not load adapter %s", name, exc_info=True)
+            raise
+        size = packed_bytes(packed)
+        with self._lock:
+            self.stats.loads += 1
+            self.stats.load_seconds += time.perf_counter() - began
+            self._pending.pop(name, None)
+            self._packed[name] = (packed, size)
+            self._packed.move_to_end(name)
+            self._shrink(keep=name)
+        return packed
+
+    def _shrink(self, keep: str) -> None:
+        """Drop least recently used packs until within budget; `keep` (just packed) always stays."""
+        total = sum(size for _, size in self._packed.values())
+        for name in list(self._packed):
+            if total <= self.budget_bytes:
+                break
+            if name == keep:
+                continue
+            total -= self._packed.pop(name)[1]
+            self.stats.evictions += 1

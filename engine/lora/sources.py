@@ -1,0 +1,49 @@
+"""Where a registered adapter's weights come from when the host cache needs them.
+
+A source knows its manifest up front (validated at registration, so a bad adapter is refused before any
+request names it) and reads its A and B matrices only when asked: registering a thousand adapters costs
+a thousand manifests, not a thousand sets of weights in memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from loraplex.adapters import AdapterError, AdapterManifest, BaseShape, fetch_local, inspect_adapter
+from loraplex.adapters.weights import load_lora_weights
+
+# (layer, module) -> (A [rank, in], B [out, rank])
+LoraWeights = dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+
+
+class AdapterSource(Protocol):
+    @property
+    def manifest(self) -> AdapterManifest: ...
+
+    def load(self, dtype: torch.dtype) -> LoraWeights:
+        """Read the weights; raise AdapterError if they are gone or no longer what was registered."""
+        ...
+
+
+@dataclass(frozen=True)
+class DirectorySource:
+    """A PEFT directory on a local filesystem (a plain path or a file:// URI)."""
+
+    path: Path
+    manifest: AdapterManifest
+
+    @classmethod
+    def open(cls, uri: str | Path, base: BaseShape, sha256: str | None = None) -> DirectorySource:
+        """Validate the adapter at `uri` for `base`; with `sha256`, refuse weights with another hash."""
+        directory = fetch_local(str(uri), sha256)
+        return cls(directory, inspect_adapter(directory, base))
+
+    def load(self, dtype: torch.dtype) -> LoraWeights:
+        try:
+            return load_lora_weights(self.path, self.manifest, dtype)
+        except (OSError, KeyError, ValueError) as error:  # deleted, truncated or rewritten since registration
+            raise AdapterError(f"cannot read the adapter weights at {self.path}: {error}") from error
