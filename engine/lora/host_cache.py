@@ -34,7 +34,8 @@ def packed_bytes(packed: PackedAdapter) -> int:
 @dataclass
 class HostCacheStats:
     hits: int = 0  # asked for and already packed
-    misses: int = 0  # asked for and read on the spot (prefetch came too late or never ran)
+    waits: int = 0  # asked for while its prefetch was still running: waited for the rest
+    misses: int = 0  # asked for and read on the spot (never prefetched)
     loads: int = 0  # packs made, in the background or on the spot
     load_seconds: float = 0.0
     evictions: int = 0
@@ -82,7 +83,10 @@ class HostCache:
                 self.stats.hits += 1
                 return hit[0]
             pending = self._pending.get(name)
-            self.stats.misses += 1
+            if pending is not None:
+                self.stats.waits += 1
+            else:
+                self.stats.misses += 1
         if pending is not None:
             return pending.result()
         return self._pack(name, packer)

@@ -45,5 +45,6 @@ class DirectorySource:
     def load(self, dtype: torch.dtype) -> LoraWeights:
         try:
             return load_lora_weights(self.path, self.manifest, dtype)
-        except (OSError, KeyError, ValueError) as error:  # deleted, truncated or rewritten since registration
+        # Deleted, truncated or rewritten since registration; safetensors raises its own error type.
+        except Exception as error:
             raise AdapterError(f"cannot read the adapter weights at {self.path}: {error}") from error

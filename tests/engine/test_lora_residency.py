@@ -56,3 +56,116 @@ def test_kv_takes_pages_from_unused_adapters(engine_and_adapters) -> None:  # ty
     assert engine.pool.pages_by_kind() == {"free": free, "kv": 0, "adapter": 0, "reserved": 1}
     with pytest.raises(ValueError, match="not registered"):
         engine.add_request([1, 2], adapter="missing")
+
+
+def test_register_by_uri_checks_the_hash(engine_and_adapters) -> None:  # type: ignore[no-untyped-def]
+    from loraplex.adapters import sha256_of
+
+    engine, dirs = engine_and_adapters
+    digest = sha256_of(dirs["a"] / "adapter_model.safetensors")
+    manifest = engine.register_adapter("by-uri", dirs["a"].resolve().as_uri(), sha256=digest)
+    assert manifest.sha256 == digest
+    with pytest.raises(AdapterError, match="expected"):
+        engine.register_adapter("wrong-hash", dirs["a"].resolve().as_uri(), sha256="0" * 64)
+    assert "wrong-hash" not in engine.adapters.registered
+    with pytest.raises(AdapterError, match="not supported"):
+        engine.register_adapter("s3", "s3://bucket/adapter")
+
+
+def test_unregister_frees_pages_and_refuses_while_in_use(engine_and_adapters) -> None:  # type: ignore[no-untyped-def]
+    engine, dirs = engine_and_adapters
+    engine.register_adapter("gone", dirs["b"])
+    request_id = engine.add_request([4, 5, 6], SamplingParams(max_tokens=4, temperature=0.0), adapter="gone")
+    engine.step()
+    assert "gone" in engine.adapters.resident
+    with pytest.raises(AdapterError, match="in use"):
+        engine.unregister_adapter("gone")
+    engine.abort(request_id)
+    engine.unregister_adapter("gone")
+    assert "gone" not in engine.adapters.registered and "gone" not in engine.adapters.resident
+    assert "gone" not in engine.adapters.host
+    with pytest.raises(AdapterError, match="not registered"):
+        engine.unregister_adapter("gone")
+    with pytest.raises(ValueError, match="not registered"):
+        engine.add_request([1, 2], adapter="gone")
+
+
+def test_weights_that_vanish_fail_their_requests_only(tmp_path: Path, engine_and_adapters) -> None:  # type: ignore[no-untyped-def]
+    import shutil
+
+    engine, dirs = engine_and_adapters
+    copy = tmp_path / "fragile"
+    shutil.copytree(dirs["a"], copy)
+    engine.register_adapter("fragile", copy)
+    engine.register_adapter("sound", dirs["b"])
+    (copy / "adapter_model.safetensors").write_bytes(b"not safetensors any more")
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    broken = engine.add_request([4, 5, 6], params, adapter="fragile")
+    fine = [engine.add_request([7, 8], params, adapter=a) for a in ("sound", None)]
+    finished = {}
+    while engine.has_unfinished():
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = output
+    assert finished[broken].finish_reason == "error"
+    assert "fragile" in (finished[broken].error or "") and "cannot read" in (finished[broken].error or "")
+    assert all(finished[r].finish_reason == "length" and len(finished[r].token_ids) == 3 for r in fine)
+    with pytest.raises(ValueError, match="cannot be served"):
+        engine.add_request([1], adapter="fragile")
+    engine.unregister_adapter("fragile")
+
+
+def test_synthetic_adapters_are_deterministic_and_change_outputs(engine_and_adapters) -> None:  # type: ignore[no-untyped-def]
+    import torch
+
+    from loraplex.engine.lora.synthetic import SyntheticAdapter
+
+    engine, _ = engine_and_adapters
+    base = engine.loaded.config.lora_shape()
+    one, again = SyntheticAdapter(base, seed=7, rank=5), SyntheticAdapter(base, seed=7, rank=5)
+    assert one.manifest == again.manifest
+    first, second = one.load(torch.float32), again.load(torch.float32)
+    assert all(
+        torch.equal(first[k][0], second[k][0]) and torch.equal(first[k][1], second[k][1]) for k in first
+    )
+    engine.register_adapter(
+        "syn", SyntheticAdapter(base, seed=7, rank=5, targets=("q", "down"), strength=2.0)
+    )
+    logits = engine.next_token_logits([[3, 4, 5, 6]])[0]
+    with_adapter = engine.generate(
+        [[3, 4, 5, 6]], SamplingParams(max_tokens=1, temperature=0.0, logprobs=5), adapters="syn"
+    )[0]
+    assert with_adapter.logprobs is not None and len(with_adapter.logprobs[0].top) == 5
+    base_top = int(logits.argmax())
+    assert with_adapter.logprobs[0].top[0][1] != pytest.approx(float(torch.log_softmax(logits, -1)[base_top]))
+    with pytest.raises(ValueError, match="rank"):
+        SyntheticAdapter(base, seed=1, rank=0)
+
+
+def test_max_resident_adapters_caps_the_pool() -> None:
+    from loraplex.engine.lora.synthetic import SyntheticAdapter
+
+    capped = LLMEngine(EngineConfig(model="random:tiny", device="cpu", num_pages=32, max_resident_adapters=2))
+    base = capped.loaded.config.lora_shape()
+    for i in range(4):
+        capped.register_adapter(f"r{i}", SyntheticAdapter(base, seed=i, rank=2))
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    outputs = capped.generate([[1, 2, 3]] * 4, params, adapters=[f"r{i}" for i in range(4)])
+    assert all(len(o.token_ids) == 2 for o in outputs)
+    assert len(capped.adapters.resident) <= 2 and capped.adapters.stats.evictions >= 2
+
+
+def test_adapters_of_queued_requests_are_prefetched() -> None:
+    from loraplex.engine.lora.synthetic import SyntheticAdapter
+
+    engine = LLMEngine(
+        EngineConfig(model="random:tiny", device="cpu", num_pages=64, max_num_seqs=1, max_batch_tokens=16)
+    )
+    base = engine.loaded.config.lora_shape()
+    for i in range(4):
+        engine.register_adapter(f"p{i}", SyntheticAdapter(base, seed=i, rank=3))
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    engine.generate([[1, 2, 3]] * 4, params, adapters=[f"p{i}" for i in range(4)])
+    host = engine.adapters.host.stats
+    # Only the first adapter is read on the spot; the rest were started while earlier requests ran.
+    assert host.misses == 1 and host.hits + host.waits == 3 and host.loads == 4
