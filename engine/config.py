@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +25,7 @@ class EngineConfig:
     adapter_host_cache_bytes: int = 4 << 30  # packed adapters kept in host memory (LRU beyond this)
     max_resident_adapters: int | None = None  # adapters in the pool at once; None: as many as pages allow
     adapter_prefetch_depth: int = 32  # queued requests whose adapters are read ahead into host memory
+    kernels: str = "auto"  # auto (Triton on CUDA, torch on the CPU) | triton | torch
     seed: int = 0  # for random weights and for requests without a seed of their own
 
     def __post_init__(self) -> None:
@@ -43,6 +45,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.num_pages is not None and self.num_pages <= 0:
             raise ValueError(f"num_pages must be positive, got {self.num_pages}")
+        if self.kernels not in ("auto", "triton", "torch"):
+            raise ValueError(f"kernels must be auto, triton or torch, got {self.kernels!r}")
         if self.max_resident_adapters is not None and self.max_resident_adapters <= 0:
             raise ValueError(f"max_resident_adapters must be positive, got {self.max_resident_adapters}")
         if self.adapter_prefetch_depth < 0:
@@ -69,3 +73,12 @@ class EngineConfig:
         if self.dtype == "auto":
             return torch.bfloat16 if device.type == "cuda" else torch.float32
         return DTYPES[self.dtype]
+
+    def use_kernels(self, device: torch.device) -> bool:
+        """Whether attention and LoRA run as Triton kernels. On the CPU that needs Triton's interpreter
+        (TRITON_INTERPRET=1 before Triton is imported): how the tests check the kernels in the engine."""
+        if self.kernels == "auto":
+            return device.type == "cuda"
+        if self.kernels == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("kernels='triton' on the CPU needs TRITON_INTERPRET=1 set before Triton loads")
+        return self.kernels == "triton"

@@ -17,7 +17,7 @@ from .detokenizer import IncrementalDetokenizer
 from .kv_cache import KVCache, page_bytes
 from .lora.residency import AdapterResidency
 from .lora.sources import AdapterSource
-from .lora.step import LoraStacker
+from .lora.step import KernelLoraStacker, LoraStacker
 from .model.loader import LoadedModel, load_model
 from .pool import PageKind, PagePool
 from .request import Request, RequestOutput, RequestStatus
@@ -71,7 +71,9 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.pool, config.page_size, config.max_num_seqs, config.max_batch_tokens, self.adapters
         )
-        self.runner = ModelRunner(loaded.model, self.cache, LoraStacker(self.adapters))
+        use_kernels = config.use_kernels(device)
+        stacker = KernelLoraStacker(self.adapters) if use_kernels else LoraStacker(self.adapters)
+        self.runner = ModelRunner(loaded.model, self.cache, stacker, use_kernels)
         eos = self.tokenizer.eos_token_ids if self.tokenizer else model_config.eos_token_ids
         self.eos_token_ids = frozenset(eos)
         self._requests: dict[str, Request] = {}

@@ -8,14 +8,15 @@ the longest one in its call is wasted work), one call per prefill chunk.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from .kernels import reference
+from .attention import ReferenceAttention, TritonAttention
 from .kv_cache import KVCache
-from .lora.step import LoraStacker
+from .lora.step import KernelLoraStacker, LoraStacker
 from .model.llama import LlamaModel
 from .scheduler import ScheduledChunk
 
@@ -63,6 +64,17 @@ def group_decodes(num_blocks: list[int]) -> list[tuple[int, int]]:
 
 
 @dataclass
+class PrefillBatch:
+    """All prefill chunks of a step for one varlen kernel launch: rows [start, T) of the flat batch."""
+
+    start: int
+    block_tables: torch.Tensor  # [S, max_blocks], padded with the zero page
+    q_starts: torch.Tensor  # [S + 1] chunk boundaries, relative to `start`
+    context_lens: torch.Tensor  # [S]
+    max_chunk_len: int
+
+
+@dataclass
 class StepBatch:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
@@ -71,47 +83,27 @@ class StepBatch:
     prefills: list[PrefillSegment]
     logits_indices: torch.Tensor  # [S] rows whose next-token logits are sampled
     token_adapters: list[str | None]  # [T] each row's adapter (None: the base model)
+    prefill_varlen: PrefillBatch | None = None  # the prefills again, laid out for the kernels
 
-
-class PagedAttention:
-    """The attention callable the model calls per layer for one step (CPU reference ops)."""
-
-    def __init__(self, cache: KVCache, batch: StepBatch, scale: float):
-        self.cache = cache
-        self.batch = batch
-        self.scale = scale
-
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        b = self.batch
-        memory = self.cache.memory
-        reference.write_kv(memory, layer, k, v, b.slots)
-        parts = [
-            reference.paged_decode_attention(
-                q[g.start : g.end], memory, layer, g.block_tables, g.context_lens, self.scale
-            )
-            for g in b.decodes
-        ]
-        for seg in b.prefills:
-            if seg.fresh:
-                parts.append(
-                    reference.causal_attention(
-                        q[seg.start : seg.end], k[seg.start : seg.end], v[seg.start : seg.end], self.scale
-                    )
-                )
-            else:
-                parts.append(
-                    reference.prefill_attention(
-                        q[seg.start : seg.end], memory, layer, seg.block_table, seg.context_len, self.scale
-                    )
-                )
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
+    @property
+    def num_decodes(self) -> int:
+        return self.decodes[-1].end if self.decodes else 0
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, cache: KVCache, lora: LoraStacker | None = None):
+    def __init__(
+        self,
+        model: LlamaModel,
+        cache: KVCache,
+        lora: LoraStacker | KernelLoraStacker | None = None,
+        use_kernels: bool = False,
+    ):
+        """`use_kernels`: attention and LoRA through the Triton kernels (CUDA, or the CPU interpreter)
+        instead of the plain-torch reference ops."""
         self.model = model
         self.cache = cache
         self.lora = lora
+        self.use_kernels = use_kernels
         self.device = model.device
         self.scale = model.config.head_dim**-0.5
 
@@ -129,6 +121,7 @@ class ModelRunner:
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
         prefills: list[PrefillSegment] = []
+        prefill_pages: list[list[int]] = []
         token_adapters: list[str | None] = []
         for chunk in chunks:
             request = chunk.request
@@ -144,6 +137,7 @@ class ModelRunner:
                 decode_tables.append(pages[:num_blocks])
                 decode_lens.append(chunk.end)
             else:
+                prefill_pages.append(pages[:num_blocks])
                 table = torch.tensor(pages[:num_blocks], dtype=torch.long, device=self.device)
                 prefills.append(PrefillSegment(row, len(ids), chunk.end, table))
             if chunk.samples:
@@ -153,7 +147,10 @@ class ModelRunner:
             return torch.tensor(values, dtype=torch.long, device=self.device)
 
         decodes = []
-        for start, end in group_decodes([len(t) for t in decode_tables]):
+        widths = [len(t) for t in decode_tables]
+        # The kernels walk each sequence's own pages: no padding waste, so one launch for all decodes.
+        spans = ([(0, len(widths))] if widths else []) if self.use_kernels else group_decodes(widths)
+        for start, end in spans:
             width = len(decode_tables[start])  # the widest: sorted descending
             padded = [t + [0] * (width - len(t)) for t in decode_tables[start:end]]  # masked out
             decodes.append(DecodeGroup(start, end, tensor(padded), tensor(decode_lens[start:end])))
@@ -165,11 +162,32 @@ class ModelRunner:
             prefills=prefills,
             logits_indices=tensor(logits_rows),
             token_adapters=token_adapters,
+            prefill_varlen=(
+                self._prefill_batch(prefills, prefill_pages, tensor)
+                if self.use_kernels and prefills
+                else None
+            ),
+        )
+
+    @staticmethod
+    def _prefill_batch(
+        prefills: list[PrefillSegment], pages: list[list[int]], tensor: Callable[[list[Any]], torch.Tensor]
+    ) -> PrefillBatch:
+        width = max(len(p) for p in pages)
+        tables = [p + [0] * (width - len(p)) for p in pages]  # padding: the zero page, never read
+        first = prefills[0].start
+        return PrefillBatch(
+            start=first,
+            block_tables=tensor(tables),
+            q_starts=tensor([seg.start - first for seg in prefills] + [prefills[-1].end - first]),
+            context_lens=tensor([seg.context_len for seg in prefills]),
+            max_chunk_len=max(seg.end - seg.start for seg in prefills),
         )
 
     @torch.inference_mode()
     def execute(self, batch: StepBatch) -> torch.Tensor:
         """Float32 logits [S, vocab] for the batch's sampled rows, in chunk order."""
-        attention = PagedAttention(self.cache, batch, self.scale)
-        lora = self.lora.build(batch.token_adapters) if self.lora is not None else None
+        attention_type = TritonAttention if self.use_kernels else ReferenceAttention
+        attention = attention_type(self.cache.memory, batch, self.scale)
+        lora = self.lora.build(batch) if self.lora is not None else None
         return self.model(batch.input_ids, batch.positions, attention, batch.logits_indices, lora)

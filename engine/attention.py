@@ -1,0 +1,83 @@
+"""The attention callables the model calls per layer for one step: plain torch, or Triton kernels.
+
+Both store the step's new keys and values in the pool and then attend: decodes (one token each) to
+their cached contexts, prefill chunks causally to their cached prefix and themselves. The torch path
+splits decodes into groups of similar length (a padded gather is wasted work on a CPU); the kernels
+walk each sequence's own pages, so one launch serves all decodes and one all prefill chunks.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from .kernels import reference
+
+if TYPE_CHECKING:
+    from .runner import StepBatch
+
+
+class ReferenceAttention:
+    def __init__(self, memory: torch.Tensor, batch: StepBatch, scale: float):
+        self.memory = memory
+        self.batch = batch
+        self.scale = scale
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        b, memory = self.batch, self.memory
+        reference.write_kv(memory, layer, k, v, b.slots)
+        parts = [
+            reference.paged_decode_attention(
+                q[g.start : g.end], memory, layer, g.block_tables, g.context_lens, self.scale
+            )
+            for g in b.decodes
+        ]
+        for seg in b.prefills:
+            rows = slice(seg.start, seg.end)
+            if seg.fresh:
+                parts.append(reference.causal_attention(q[rows], k[rows], v[rows], self.scale))
+            else:
+                parts.append(
+                    reference.prefill_attention(
+                        q[rows], memory, layer, seg.block_table, seg.context_len, self.scale
+                    )
+                )
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+class TritonAttention:
+    def __init__(self, memory: torch.Tensor, batch: StepBatch, scale: float):
+        # Imported here: the CPU path never needs Triton, and importing it costs a second.
+        from .kernels import paged_decode_attention, prefill_attention, write_kv
+
+        self._write_kv = write_kv.write_kv
+        self._decode = paged_decode_attention.paged_decode_attention
+        self._prefill = prefill_attention.prefill_attention_varlen
+        self.memory = memory
+        self.batch = batch
+        self.scale = scale
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        b, memory = self.batch, self.memory
+        self._write_kv(memory, layer, k, v, b.slots)
+        out = torch.empty_like(q)
+        for group in b.decodes:  # one group: build() does not split decodes for the kernels
+            rows = slice(group.start, group.end)
+            out[rows] = self._decode(
+                q[rows], memory, layer, group.block_tables, group.context_lens, self.scale
+            )
+        varlen = b.prefill_varlen
+        if varlen is not None:
+            rows = slice(varlen.start, q.shape[0])
+            out[rows] = self._prefill(
+                q[rows],
+                memory,
+                layer,
+                varlen.block_tables,
+                varlen.q_starts,
+                varlen.context_lens,
+                self.scale,
+                max_chunk_len=varlen.max_chunk_len,
+            )
+        return out
