@@ -1,0 +1,276 @@
+"""Paged decode attention in Triton: one new query token per sequence against its paged KV cache.
+
+Same signature and semantics as `reference.paged_decode_attention`. Flash-decoding layout: one program
+per (sequence, kv head) serves that kv head's G query heads together, so each cached key and value is
+read from memory once per group rather than once per query head; the G rows are padded to a tile of
+at least 16 (the smallest `tl.dot` operand) and masked. The program walks the sequence's tokens
+BLOCK_N at a time, looking each token's page up in the block table (so any page size works and
+BLOCK_N need not match it), with an online softmax in float32.
+
+When there are too few (sequence, kv head) pairs to fill the GPU, long contexts are split into
+partitions handled by separate programs (split-K); each writes its partial output and log-sum-exp in
+float32 and a second kernel merges the partitions of every (sequence, head).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton import knobs
+
+# Keys per loop step: large enough to keep the tensor cores and the memory pipeline busy, small enough
+# that a short context wastes little of its last tile.
+BLOCK_N = 64
+# Split-K only pays once each partition still streams a good stretch of cache.
+MIN_PARTITION_TOKENS = 256
+# Decode is bound by memory bandwidth; an SM needs a few resident programs' loads in flight to reach it.
+PROGRAMS_PER_SM = 4
+LOG2_E = 1.4426950408889634
+TRITON_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr,
+    memory_ptr,
+    block_tables_ptr,
+    context_lens_ptr,
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    layer,
+    scale_log2,
+    partition_tokens,
+    stride_qb,
+    stride_qh,
+    stride_page,
+    stride_layer,
+    stride_part,
+    stride_head,
+    stride_off,
+    stride_bt,
+    stride_ob,
+    stride_oh,
+    stride_pb,
+    stride_ph,
+    stride_pp,
+    GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    partition = tl.program_id(2)
+    context_len = tl.load(context_lens_ptr + seq)
+    start = partition * partition_tokens
+    # Partitions past this sequence's end have nothing to do; the merge never reads them.
+    if start >= context_len:
+        return
+    end = tl.minimum(start + partition_tokens, context_len)
+
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    n = tl.arange(0, BLOCK_N)
+    heads = kv_head * GROUP + g
+    row_mask = (g < GROUP)[:, None] & (d < HEAD_DIM)[None, :]
+    q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=row_mask, other=0.0)
+    q = q.to(DOT_DTYPE)
+
+    keys_ptr = memory_ptr + layer * stride_layer + kv_head * stride_head
+    values_ptr = keys_ptr + stride_part
+    table_ptr = block_tables_ptr + seq * stride_bt
+
+    # Scores are kept in log2 units (scaled by log2(e)) so the softmax can use exp2.
+    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    row_sum = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for tile in range(start, end, BLOCK_N):
+        tokens = tile + n
+        valid = tokens < end
+        pages = tl.load(table_ptr + tokens // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
+        rows = pages * stride_page + (tokens % PAGE_SIZE) * stride_off  # [BLOCK_N]
+        kv_mask = valid[:, None] & (d < HEAD_DIM)[None, :]
+        k = tl.load(keys_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        k = k.to(DOT_DTYPE)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [BLOCK_G, BLOCK_N]
+        s = tl.where(valid[None, :], s, float("-inf"))
+        # Every tile holds at least one valid token, so m_new is finite from the first tile on.
+        m_new = tl.maximum(m, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m - m_new)
+        row_sum = row_sum * alpha + tl.sum(p, 1)
+        v = tl.load(values_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        # p is rounded to the cache's dtype first, as the GPU's half-precision matmul needs.
+        p = p.to(v.dtype).to(DOT_DTYPE)
+        acc = acc * alpha[:, None] + tl.dot(p, v.to(DOT_DTYPE), input_precision=PRECISION)
+        m = m_new
+
+    out = acc / row_sum[:, None]
+    if SPLIT:
+        part_rows = seq * stride_pb + heads * stride_ph + partition * stride_pp  # [BLOCK_G]
+        tl.store(part_out_ptr + part_rows[:, None] * BLOCK_D + d[None, :], out, mask=row_mask)
+        tl.store(part_lse_ptr + part_rows, m + tl.log2(row_sum), mask=g < GROUP)
+    else:
+        out_ptrs = out_ptr + seq * stride_ob + heads[:, None] * stride_oh + d[None, :]
+        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_mask)
+
+
+@triton.jit
+def _merge_partitions_kernel(
+    part_out_ptr,
+    part_lse_ptr,
+    context_lens_ptr,
+    out_ptr,
+    partition_tokens,
+    stride_pb,
+    stride_ph,
+    stride_pp,
+    stride_ob,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    context_len = tl.load(context_lens_ptr + seq)
+    num_partitions = tl.cdiv(context_len, partition_tokens)
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < HEAD_DIM
+    base = seq * stride_pb + head * stride_ph
+    # Online merge in log2 units: each partition's output is already normalised by its own sum.
+    m = tl.full([], float("-inf"), tl.float32)
+    total = tl.zeros([], tl.float32)
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for partition in range(0, num_partitions):
+        row = base + partition * stride_pp
+        lse = tl.load(part_lse_ptr + row)
+        part = tl.load(part_out_ptr + row * BLOCK_D + d, mask=d_mask, other=0.0)
+        m_new = tl.maximum(m, lse)
+        alpha = tl.exp2(m - m_new)
+        weight = tl.exp2(lse - m_new)
+        total = total * alpha + weight
+        acc = acc * alpha + weight * part
+        m = m_new
+    out = acc / total
+    tl.store(out_ptr + seq * stride_ob + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
+def dot_options(dtype: torch.dtype) -> dict[str, object]:
+    """Constexprs DOT_DTYPE and PRECISION for a cache of `dtype`: its own type on a GPU, with float32
+    matmuls exact (ieee, not tf32) since float32 serving is for checking results; float32 under the
+    interpreter, whose tl.dot multiplies bfloat16 bit patterns (triton-lang/triton#11584)."""
+    if dtype == torch.float32 or knobs.runtime.interpret:
+        return {"DOT_DTYPE": tl.float32, "PRECISION": "ieee"}
+    return {"DOT_DTYPE": TRITON_DTYPES[dtype], "PRECISION": "tf32"}
+
+
+def choose_partition_tokens(batch: int, kv_heads: int, max_tokens: int, device: torch.device) -> int:
+    """Tokens per split-K partition, or `max_tokens` (no split) when the unsplit grid already fills the GPU.
+
+    `max_tokens` is an upper bound on every context (the block table's width times the page size), so
+    choosing needs no device sync.
+    """
+    if device.type != "cuda":
+        return max_tokens
+    programs = batch * kv_heads
+    target = PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
+    if programs >= target:
+        return max_tokens
+    splits = min(triton.cdiv(target, programs), max_tokens // MIN_PARTITION_TOKENS)
+    if splits <= 1:
+        return max_tokens
+    return triton.cdiv(triton.cdiv(max_tokens, splits), BLOCK_N) * BLOCK_N
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    memory: torch.Tensor,
+    layer: int,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    *,
+    partition_tokens: int | None = None,
+) -> torch.Tensor:
+    """One query token per sequence attending to that sequence's whole cached context (GQA).
+
+    Shapes: q [B, heads, head_dim]; memory [num_pages, layers, 2, kv_heads, page_size, head_dim]
+    (contiguous); block_tables [B, max_blocks] int64 (entries past a sequence's end may be any valid
+    page); context_lens [B], every entry >= 1. Returns [B, heads, head_dim] in q.dtype.
+    Semantics: out[b, h] = softmax(q[b, h] · K_b[g]^T * scale) V_b[g], g = h // (heads / kv_heads).
+    partition_tokens: split-K partition size (a multiple of BLOCK_N); None chooses one for the device.
+    """
+    batch, heads, dim = q.shape
+    _, _, _, kv_heads, page_size, _ = memory.shape
+    assert memory.is_contiguous(), "the pool must be contiguous"
+    assert q.stride(2) == 1, "head_dim must be the contiguous axis of q"
+    assert heads % kv_heads == 0, "query heads must be a multiple of kv heads"
+    group = heads // kv_heads
+    out = torch.empty(batch, heads, dim, dtype=q.dtype, device=q.device)
+    if batch == 0:
+        return out
+    max_tokens = block_tables.shape[1] * page_size
+    if partition_tokens is None:
+        partition_tokens = choose_partition_tokens(batch, kv_heads, max_tokens, q.device)
+    assert partition_tokens % BLOCK_N == 0 or partition_tokens >= max_tokens, "partitions must be whole tiles"
+    num_partitions = triton.cdiv(max_tokens, partition_tokens)
+    split = num_partitions > 1
+    block_d = triton.next_power_of_2(dim)
+    if split:
+        part_out = torch.empty(batch, heads, num_partitions, block_d, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(batch, heads, num_partitions, dtype=torch.float32, device=q.device)
+    else:
+        part_out = part_lse = out  # unused: the kernel writes straight to out
+    _decode_kernel[(batch, kv_heads, num_partitions)](
+        q,
+        memory,
+        block_tables,
+        context_lens,
+        out,
+        part_out,
+        part_lse,
+        layer,
+        scale * LOG2_E,
+        partition_tokens,
+        q.stride(0),
+        q.stride(1),
+        *memory.stride()[:5],
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        heads * num_partitions,
+        num_partitions,
+        1,
+        GROUP=group,
+        BLOCK_G=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=dim,
+        BLOCK_D=block_d,
+        PAGE_SIZE=page_size,
+        BLOCK_N=BLOCK_N,
+        SPLIT=split,
+        **dot_options(memory.dtype),
+        num_warps=4,
+    )
+    if split:
+        _merge_partitions_kernel[(batch, heads)](
+            part_out,
+            part_lse,
+            context_lens,
+            out,
+            partition_tokens,
+            heads * num_partitions,
+            num_partitions,
+            1,
+            out.stride(0),
+            out.stride(1),
+            HEAD_DIM=dim,
+            BLOCK_D=block_d,
+        )
+    return out
