@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -170,7 +170,7 @@ class AdapterResidency:
 
     # -- moving weights -----------------------------------------------------------------------------
 
-    def _packer(self, name: str):  # type: ignore[no-untyped-def]
+    def _packer(self, name: str) -> Callable[[], PackedAdapter]:
         source = self.registered[name].source
         dtype, pin = self.pool_rows.dtype, self.pool_rows.is_cuda
 
