@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
+import torch
+
+# Triton picks interpreter or compiler when a kernel is decorated, i.e. when its module is imported, so
+# this must happen before any test imports one: without a GPU the kernels run in the CPU interpreter.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

@@ -149,3 +149,176 @@ def lora_shrink_expand(
     """
     shrunk = torch.matmul(x, a.t()) * token_columns  # [T, C]
     y.addmm_(shrunk, b)
+
+
+# Multi-adapter LoRA over the pool (the oracle of the lora_shrink / lora_expand kernels).
+#
+# A step's adapters are numbered by slot u; for one layer and projection group their rows are stacked
+# (slot u owns rows slot_start[u] .. slot_start[u] + slot_rank[u] - 1, ranks of different adapters
+# differ). Stacked row c has an A row of width `in` that starts at pool row a_starts[c], and a scaled B^T
+# row of width b_widths[c] that starts at pool row b_starts[c] and lands in columns b_cols[c] onward of
+# the group's output (each module of the group has its own column block; width 0 marks a padding row).
+# Tokens name their slot per token (token_slot, -1: no adapter) or per contiguous segment.
+
+
+def segment_token_slots(seg_starts: torch.Tensor, seg_slot: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """Per-token slots of a segment batch: tokens seg_starts[g] .. seg_starts[g + 1] - 1 use seg_slot[g].
+
+    Shapes: seg_starts [G + 1] int (non-decreasing; empty segments allowed); seg_slot [G] int.
+    Returns token_slot [num_tokens] int32, -1 for tokens of no segment or of a slot -1 segment.
+    """
+    tokens = torch.arange(num_tokens, device=seg_starts.device)
+    starts = seg_starts.long()
+    # The last segment starting at or before the token: among equal starts (empty segments) that is the
+    # one the token is actually in.
+    segment = torch.searchsorted(starts, tokens, right=True) - 1
+    inside = (segment >= 0) & (tokens < starts[-1])
+    slots = seg_slot.long()[segment.clamp(0, max(len(seg_slot) - 1, 0))] if len(seg_slot) else segment
+    return torch.where(inside, slots, torch.full_like(slots, -1)).to(torch.int32)
+
+
+def _token_rows(
+    slot_start: torch.Tensor, slot_rank: torch.Tensor, token_slot: torch.Tensor, max_rank: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's stacked rows: (rows [T, R] int64, valid [T, R] bool); invalid entries point at row 0."""
+    has = token_slot >= 0
+    slot = token_slot.long().clamp(min=0)
+    r = torch.arange(max_rank, device=token_slot.device)
+    rank = torch.where(has, slot_rank.long()[slot], 0) if len(slot_rank) else torch.zeros_like(slot)
+    first = slot_start.long()[slot] if len(slot_start) else torch.zeros_like(slot)
+    valid = r[None, :] < rank[:, None]
+    return torch.where(valid, first[:, None] + r[None, :], 0), valid
+
+
+def _max_rank(slot_rank: torch.Tensor, max_rank: int | None) -> int:
+    if max_rank is not None:
+        return max_rank
+    return int(slot_rank.max()) if len(slot_rank) else 0
+
+
+def lora_shrink_tokens(
+    x: torch.Tensor,
+    pool_rows: torch.Tensor,
+    a_starts: torch.Tensor,
+    slot_start: torch.Tensor,
+    slot_rank: torch.Tensor,
+    token_slot: torch.Tensor,
+    max_rank: int | None = None,
+) -> torch.Tensor:
+    """Every token's x times its adapter's stacked A rows.
+
+    Shapes: x [T, in]; pool_rows [N, head_dim] (contiguous); a_starts [C] int; slot_start, slot_rank
+    [S] int; token_slot [T] int (-1: no adapter); max_rank, if given, is max(slot_rank) (saves a sync).
+    Returns float32 [T, R], R = max_rank:
+    out[t, r] = sum_k x[t, k] * pool[a_starts[slot_start[u] + r] * head_dim + k] for r < slot_rank[u],
+    u = token_slot[t]; 0 elsewhere (tokens without an adapter, columns past the adapter's rank).
+    """
+    rank = _max_rank(slot_rank, max_rank)
+    in_width, head_dim = x.shape[1], pool_rows.shape[1]
+    if rank == 0 or len(a_starts) == 0:
+        return torch.zeros(x.shape[0], rank, dtype=torch.float32, device=x.device)
+    index = a_starts.long()[:, None] * head_dim + torch.arange(in_width, device=x.device)[None, :]
+    a = pool_rows.reshape(-1)[index].float()  # [C, in]
+    every = x.float() @ a.t()  # [T, C]: each token against every stacked row, then keep its own
+    rows, valid = _token_rows(slot_start, slot_rank, token_slot, rank)
+    return torch.where(valid, every.gather(1, rows), 0.0)
+
+
+def lora_shrink_segments(
+    x: torch.Tensor,
+    pool_rows: torch.Tensor,
+    a_starts: torch.Tensor,
+    slot_start: torch.Tensor,
+    slot_rank: torch.Tensor,
+    seg_starts: torch.Tensor,
+    seg_slot: torch.Tensor,
+    max_rank: int | None = None,
+    max_seg_len: int | None = None,
+) -> torch.Tensor:
+    """lora_shrink_tokens with the slots given per segment (seg_starts [G + 1], seg_slot [G]).
+
+    max_seg_len (the longest segment) is a launch hint of the kernel; unused here.
+    """
+    token_slot = segment_token_slots(seg_starts, seg_slot, x.shape[0])
+    return lora_shrink_tokens(x, pool_rows, a_starts, slot_start, slot_rank, token_slot, max_rank)
+
+
+def lora_expand_tokens(
+    y: torch.Tensor,
+    shrunk: torch.Tensor,
+    pool_rows: torch.Tensor,
+    b_starts: torch.Tensor,
+    b_cols: torch.Tensor,
+    b_widths: torch.Tensor,
+    slot_start: torch.Tensor,
+    slot_rank: torch.Tensor,
+    token_slot: torch.Tensor,
+) -> None:
+    """Add every token's shrunk activations times its adapter's scaled B^T rows to y, in place.
+
+    Shapes: y [T, out]; shrunk [T, R] (lora_shrink_*'s output); pool_rows [N, head_dim] (contiguous);
+    b_starts, b_cols, b_widths [C] int; slot_start, slot_rank [S] int; token_slot [T] int (-1: none).
+    Semantics: y[t, n] += sum_{r < rank_u} shrunk[t, r] * pool[b_starts[c] * head_dim + n - b_cols[c]]
+    over c = slot_start[u] + r with b_cols[c] <= n < b_cols[c] + b_widths[c], u = token_slot[t],
+    summed in float32 and cast to y.dtype. Rows of tokens without an adapter, or whose adapter has
+    rank 0 in this group, are left untouched.
+    """
+    rank = shrunk.shape[1]
+    if rank == 0 or len(b_starts) == 0:
+        return
+    head_dim = pool_rows.shape[1]
+    column = torch.arange(y.shape[1], device=y.device)
+    offset = column[None, :] - b_cols.long()[:, None]  # [C, out]: position inside the row's module
+    inside = (offset >= 0) & (offset < b_widths.long()[:, None])
+    index = b_starts.long()[:, None] * head_dim + offset.clamp(min=0)
+    b = torch.where(inside, pool_rows.reshape(-1)[index.clamp(max=pool_rows.numel() - 1)].float(), 0.0)
+    rows, valid = _token_rows(slot_start, slot_rank, token_slot, rank)
+    coefficients = torch.zeros(y.shape[0], len(b_starts), dtype=torch.float32, device=y.device)
+    coefficients.scatter_add_(1, rows, torch.where(valid, shrunk.float(), 0.0))  # [T, C]
+    updated = (y.float() + coefficients @ b).to(y.dtype)
+    y.copy_(torch.where(valid.any(dim=1, keepdim=True), updated, y))
+
+
+def lora_expand_segments(
+    y: torch.Tensor,
+    shrunk: torch.Tensor,
+    pool_rows: torch.Tensor,
+    b_starts: torch.Tensor,
+    b_cols: torch.Tensor,
+    b_widths: torch.Tensor,
+    slot_start: torch.Tensor,
+    slot_rank: torch.Tensor,
+    seg_starts: torch.Tensor,
+    seg_slot: torch.Tensor,
+    max_seg_len: int | None = None,
+) -> None:
+    """lora_expand_tokens with the slots given per segment (seg_starts [G + 1], seg_slot [G]).
+
+    max_seg_len (the longest segment) is a launch hint of the kernel; unused here.
+    """
+    token_slot = segment_token_slots(seg_starts, seg_slot, y.shape[0])
+    lora_expand_tokens(y, shrunk, pool_rows, b_starts, b_cols, b_widths, slot_start, slot_rank, token_slot)
+
+
+def prefill_attention_varlen(
+    q: torch.Tensor,
+    memory: torch.Tensor,
+    layer: int,
+    block_tables: torch.Tensor,
+    q_starts: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """`prefill_attention` of several sequences' chunks packed back to back in q.
+
+    Shapes: q [T, heads, head_dim]; block_tables [S, max_blocks] int64; q_starts [S + 1] (q_starts[0] = 0,
+    q_starts[S] = T); context_lens [S]. Returns [T, heads, head_dim].
+    Semantics: rows q_starts[s]..q_starts[s+1]-1 are the last tokens of sequence s's context_lens[s]
+    tokens, attending causally to that sequence's cache.
+    """
+    starts, lens = q_starts.tolist(), context_lens.tolist()
+    parts = [
+        prefill_attention(q[starts[s] : starts[s + 1]], memory, layer, block_tables[s], lens[s], scale)
+        for s in range(len(lens))
+    ]
+    return torch.cat(parts) if parts else q.new_empty(q.shape)

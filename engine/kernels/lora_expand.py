@@ -1,0 +1,262 @@
+"""LoRA expand over many adapters at once: add every token's shrunk activations times its own adapter's
+scaled B^T rows to the projection's output, in place (Triton).
+
+Stacked row c's B^T row starts at pool row b_starts[c] and covers output columns b_cols[c] ..
+b_cols[c] + b_widths[c] - 1: a group's modules (q | k | v, gate | up) each own a column block, so a
+program computing an output tile masks out the rows of the other modules, and padding rows (width 0)
+contribute nothing. Slot u owns rows slot_start[u] .. slot_start[u] + slot_rank[u] - 1, and a program
+walks its adapter's rank in BLOCK_R steps, whatever it is.
+
+- segments (prefill, SGMV-style): a program takes BLOCK_M tokens of one segment and BLOCK_N columns,
+  loading each B tile once for all of them (tl.dot);
+- tokens (decode, BGMV-style): a program takes one token and BLOCK_N columns.
+
+Rows of tokens without an adapter (or whose adapter has rank 0 in this group) are not read or written.
+Semantics, shapes and the plain-torch oracle: `reference.lora_expand_tokens` / `lora_expand_segments`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _expand_segments_kernel(
+    y_ptr,
+    shrunk_ptr,
+    pool_ptr,
+    b_starts_ptr,
+    b_cols_ptr,
+    b_widths_ptr,
+    slot_start_ptr,
+    slot_rank_ptr,
+    seg_starts_ptr,
+    seg_slot_ptr,
+    out_width,
+    stride_ym,
+    stride_yn,
+    stride_sm,
+    m_blocks,  # token blocks per segment in the grid (the longest segment's)
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    segment = tl.program_id(0) // m_blocks
+    m_block = tl.program_id(0) % m_blocks
+    n_block = tl.program_id(1)
+    slot = tl.load(seg_slot_ptr + segment)
+    if slot < 0:
+        return
+    seg_end = tl.load(seg_starts_ptr + segment + 1)
+    first = tl.load(seg_starts_ptr + segment) + m_block * BLOCK_M
+    if first >= seg_end:
+        return
+    rank = tl.load(slot_rank_ptr + slot)
+    if rank == 0:  # an adapter that does not adapt this group: y stays as it is, bit for bit
+        return
+    first_row = tl.load(slot_start_ptr + slot)
+    tokens = first + tl.arange(0, BLOCK_M)
+    token_ok = tokens < seg_end
+    tokens64 = tokens.to(tl.int64)
+    cols = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < out_width
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for r0 in range(0, rank, BLOCK_R):
+        rows = r0 + tl.arange(0, BLOCK_R)
+        row_ok = rows < rank
+        s = tl.load(
+            shrunk_ptr + tokens64[:, None] * stride_sm + rows[None, :],
+            mask=token_ok[:, None] & row_ok[None, :],
+            other=0.0,
+        )  # [BLOCK_M, BLOCK_R]
+        b_row = tl.load(b_starts_ptr + first_row + rows, mask=row_ok, other=0)
+        b_col = tl.load(b_cols_ptr + first_row + rows, mask=row_ok, other=0)
+        b_width = tl.load(b_widths_ptr + first_row + rows, mask=row_ok, other=0)
+        offset = cols[None, :] - b_col[:, None]  # [BLOCK_R, BLOCK_N]: column inside the row's module
+        inside = (offset >= 0) & (offset < b_width[:, None]) & col_ok[None, :]
+        b = tl.load(pool_ptr + b_row.to(tl.int64)[:, None] * HEAD_DIM + offset, mask=inside, other=0.0)
+        # The shrunk values enter the dot in the weights' dtype (bf16 tensor cores), summed in float32.
+        if UPCAST:
+            acc += tl.dot(s.to(b.dtype).to(tl.float32), b.to(tl.float32), input_precision=PRECISION)
+        else:
+            acc += tl.dot(s.to(b.dtype), b, input_precision=PRECISION)
+
+    y = y_ptr + tokens64[:, None] * stride_ym + cols[None, :] * stride_yn
+    mask = token_ok[:, None] & col_ok[None, :]
+    old = tl.load(y, mask=mask, other=0.0)
+    tl.store(y, (old.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _expand_tokens_kernel(
+    y_ptr,
+    shrunk_ptr,
+    pool_ptr,
+    b_starts_ptr,
+    b_cols_ptr,
+    b_widths_ptr,
+    slot_start_ptr,
+    slot_rank_ptr,
+    token_slot_ptr,
+    out_width,
+    stride_ym,
+    stride_yn,
+    stride_sm,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    token = tl.program_id(0)
+    n_block = tl.program_id(1)
+    slot = tl.load(token_slot_ptr + token)
+    if slot < 0:
+        return
+    rank = tl.load(slot_rank_ptr + slot)
+    if rank == 0:  # an adapter that does not adapt this group: y stays as it is, bit for bit
+        return
+    first_row = tl.load(slot_start_ptr + slot)
+    token64 = token.to(tl.int64)
+    cols = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < out_width
+
+    # Products are summed over the rank once at the end rather than reduced every step.
+    acc = tl.zeros((BLOCK_R, BLOCK_N), dtype=tl.float32)
+    for r0 in range(0, rank, BLOCK_R):
+        rows = r0 + tl.arange(0, BLOCK_R)
+        row_ok = rows < rank
+        s = tl.load(shrunk_ptr + token64 * stride_sm + rows, mask=row_ok, other=0.0)
+        b_row = tl.load(b_starts_ptr + first_row + rows, mask=row_ok, other=0)
+        b_col = tl.load(b_cols_ptr + first_row + rows, mask=row_ok, other=0)
+        b_width = tl.load(b_widths_ptr + first_row + rows, mask=row_ok, other=0)
+        offset = cols[None, :] - b_col[:, None]
+        inside = (offset >= 0) & (offset < b_width[:, None]) & col_ok[None, :]
+        b = tl.load(pool_ptr + b_row.to(tl.int64)[:, None] * HEAD_DIM + offset, mask=inside, other=0.0)
+        acc += s.to(tl.float32)[:, None] * b.to(tl.float32)
+    delta = tl.sum(acc, axis=0)
+
+    y = y_ptr + token64 * stride_ym + cols * stride_yn
+    old = tl.load(y, mask=col_ok, other=0.0)
+    tl.store(y, (old.to(tl.float32) + delta).to(y_ptr.dtype.element_ty), mask=col_ok)
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # float32 inputs would run as tf32 on tensor cores (10-bit mantissa); float32 means exact here.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _upcast_dot() -> bool:
+    # Triton's CPU interpreter multiplies bfloat16 operands of tl.dot as their raw uint16 storage
+    # (triton 3.9); float32 operands give the same exact products the GPU's bf16 dot makes.
+    return bool(triton.knobs.runtime.interpret)
+
+
+def _check(y: torch.Tensor, shrunk: torch.Tensor, pool_rows: torch.Tensor) -> None:
+    if not pool_rows.is_contiguous():
+        raise ValueError("pool_rows must be contiguous: rows are addressed as flat offsets")
+    if shrunk.stride(1) != 1 or y.dim() != 2 or shrunk.shape[0] != y.shape[0]:
+        raise ValueError(f"y {tuple(y.shape)} and shrunk {tuple(shrunk.shape)} do not fit together")
+
+
+def lora_expand_segments(
+    y: torch.Tensor,
+    shrunk: torch.Tensor,
+    pool_rows: torch.Tensor,
+    b_starts: torch.Tensor,
+    b_cols: torch.Tensor,
+    b_widths: torch.Tensor,
+    slot_start: torch.Tensor,
+    slot_rank: torch.Tensor,
+    seg_starts: torch.Tensor,
+    seg_slot: torch.Tensor,
+    max_seg_len: int | None = None,
+) -> None:
+    """Expand, in place, for tokens grouped in contiguous segments of one adapter each.
+
+    Shapes: y [T, out]; shrunk [T, R] (float32 from lora_shrink_*); pool_rows [N, head_dim] contiguous;
+    b_starts, b_cols, b_widths [C] int; slot_start, slot_rank [S] int; seg_starts [G + 1] int; seg_slot
+    [G] int (-1: no adapter). max_seg_len, the longest segment, sizes the grid (pass it to spare a
+    device sync).
+    """
+    _check(y, shrunk, pool_rows)
+    num_tokens, out_width = y.shape
+    num_segments = len(seg_slot)
+    if max_seg_len is None:
+        max_seg_len = int((seg_starts[1:] - seg_starts[:-1]).max()) if num_segments else 0
+    if shrunk.shape[1] == 0 or num_segments == 0 or max_seg_len == 0 or num_tokens == 0:
+        return
+    block_m = 16 if max_seg_len <= 16 else 32 if max_seg_len <= 32 else 64
+    block_r = 16 if shrunk.shape[1] <= 16 else 32
+    block_n = 128 if y.element_size() <= 2 else 64
+    m_blocks = triton.cdiv(max_seg_len, block_m)
+    _expand_segments_kernel[(num_segments * m_blocks, triton.cdiv(out_width, block_n))](
+        y,
+        shrunk,
+        pool_rows,
+        b_starts,
+        b_cols,
+        b_widths,
+        slot_start,
+        slot_rank,
+        seg_starts,
+        seg_slot,
+        out_width,
+        y.stride(0),
+        y.stride(1),
+        shrunk.stride(0),
+        m_blocks,
+        HEAD_DIM=pool_rows.shape[1],
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_R=block_r,
+        PRECISION=_dot_precision(pool_rows.dtype),
+        UPCAST=_upcast_dot(),
+    )
+
+
+def lora_expand_tokens(
+    y: torch.Tensor,
+    shrunk: torch.Tensor,
+    pool_rows: torch.Tensor,
+    b_starts: torch.Tensor,
+    b_cols: torch.Tensor,
+    b_widths: torch.Tensor,
+    slot_start: torch.Tensor,
+    slot_rank: torch.Tensor,
+    token_slot: torch.Tensor,
+) -> None:
+    """Expand, in place, with every token's adapter slot given per token.
+
+    Shapes: y [T, out]; shrunk [T, R] (float32 from lora_shrink_*); pool_rows [N, head_dim] contiguous;
+    b_starts, b_cols, b_widths [C] int; slot_start, slot_rank [S] int; token_slot [T] int (-1: none).
+    """
+    _check(y, shrunk, pool_rows)
+    num_tokens, out_width = y.shape
+    if shrunk.shape[1] == 0 or num_tokens == 0:
+        return
+    # A [BLOCK_R, BLOCK_N] tile of about 4096 elements; ranks past BLOCK_R take more steps.
+    block_r = min(max(triton.next_power_of_2(shrunk.shape[1]), 8), 32)
+    block_n = min(4096 // block_r, 256)
+    _expand_tokens_kernel[(num_tokens, triton.cdiv(out_width, block_n))](
+        y,
+        shrunk,
+        pool_rows,
+        b_starts,
+        b_cols,
+        b_widths,
+        slot_start,
+        slot_rank,
+        token_slot,
+        out_width,
+        y.stride(0),
+        y.stride(1),
+        shrunk.stride(0),
+        HEAD_DIM=pool_rows.shape[1],
+        BLOCK_N=block_n,
+        BLOCK_R=block_r,
+    )

@@ -1,0 +1,289 @@
+"""LoRA shrink over many adapters at once: every token's x times its own adapter's A rows (Triton).
+
+The A rows of all the step's adapters stay where they are in the pool (no gather into a dense stack):
+stacked row c starts at pool row a_starts[c], a contiguous run of `in` elements, and slot u owns rows
+slot_start[u] .. slot_start[u] + slot_rank[u] - 1, so adapters of different ranks share one launch with
+no padding to a common rank. Two forms of the token -> adapter map:
+
+- segments (prefill, SGMV-style): a program takes BLOCK_M tokens of one segment, loads its adapter's
+  A tile once for all of them and multiplies with tl.dot;
+- tokens (decode, BGMV-style): a program takes one token; a matrix-vector product per token.
+
+Both walk `in` in BLOCK_K steps and may split it over SPLIT_K programs that add their partial sums
+atomically, which gives a GPU enough programs when there are few tokens and ranks are small.
+Semantics, shapes and the plain-torch oracle: `reference.lora_shrink_tokens` / `lora_shrink_segments`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _shrink_segments_kernel(
+    x_ptr,
+    pool_ptr,
+    out_ptr,
+    a_starts_ptr,
+    slot_start_ptr,
+    slot_rank_ptr,
+    seg_starts_ptr,
+    seg_slot_ptr,
+    in_width,
+    stride_xm,
+    stride_xk,
+    stride_om,
+    m_blocks,  # token blocks per segment in the grid (the longest segment's)
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    segment = tl.program_id(0) // m_blocks
+    m_block = tl.program_id(0) % m_blocks
+    r_block = tl.program_id(1)
+    split = tl.program_id(2)
+    slot = tl.load(seg_slot_ptr + segment)
+    if slot < 0:
+        return
+    seg_end = tl.load(seg_starts_ptr + segment + 1)
+    first = tl.load(seg_starts_ptr + segment) + m_block * BLOCK_M
+    if first >= seg_end:
+        return
+    rank = tl.load(slot_rank_ptr + slot)
+    if r_block * BLOCK_R >= rank:
+        return
+    rows = r_block * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < rank
+    a_row = tl.load(a_starts_ptr + tl.load(slot_start_ptr + slot) + rows, mask=row_ok, other=0)
+    a_base = a_row.to(tl.int64) * HEAD_DIM  # [BLOCK_R] flat offset of each A row
+    tokens = first + tl.arange(0, BLOCK_M)
+    token_ok = tokens < seg_end
+    x_base = tokens.to(tl.int64) * stride_xm
+
+    # Splits cover whole BLOCK_K steps, so every split's blocks line up with the unsplit loop's.
+    k_per_split = tl.cdiv(tl.cdiv(in_width, SPLIT_K), BLOCK_K) * BLOCK_K
+    k_begin = split * k_per_split
+    k_end = tl.minimum(k_begin + k_per_split, in_width)
+    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < k_end
+        x = tl.load(
+            x_ptr + x_base[:, None] + ks[None, :] * stride_xk,
+            mask=token_ok[:, None] & k_ok[None, :],
+            other=0.0,
+        )  # [BLOCK_M, BLOCK_K]
+        a = tl.load(pool_ptr + a_base[None, :] + ks[:, None], mask=row_ok[None, :] & k_ok[:, None], other=0.0)
+        # a: [BLOCK_K, BLOCK_R]
+        if UPCAST:
+            acc += tl.dot(x.to(tl.float32), a.to(tl.float32), input_precision=PRECISION)
+        else:
+            acc += tl.dot(x, a.to(x.dtype), input_precision=PRECISION)
+
+    out = out_ptr + tokens.to(tl.int64)[:, None] * stride_om + rows[None, :]
+    mask = token_ok[:, None] & row_ok[None, :]
+    if SPLIT_K == 1:
+        tl.store(out, acc, mask=mask)
+    else:
+        tl.atomic_add(out, acc, mask=mask)
+
+
+@triton.jit
+def _shrink_tokens_kernel(
+    x_ptr,
+    pool_ptr,
+    out_ptr,
+    a_starts_ptr,
+    slot_start_ptr,
+    slot_rank_ptr,
+    token_slot_ptr,
+    in_width,
+    stride_xm,
+    stride_xk,
+    stride_om,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+):
+    token = tl.program_id(0)
+    r_block = tl.program_id(1)
+    split = tl.program_id(2)
+    slot = tl.load(token_slot_ptr + token)
+    if slot < 0:
+        return
+    rank = tl.load(slot_rank_ptr + slot)
+    if r_block * BLOCK_R >= rank:
+        return
+    rows = r_block * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < rank
+    a_row = tl.load(a_starts_ptr + tl.load(slot_start_ptr + slot) + rows, mask=row_ok, other=0)
+    a_base = a_row.to(tl.int64) * HEAD_DIM
+    x_base = token.to(tl.int64) * stride_xm
+
+    k_per_split = tl.cdiv(tl.cdiv(in_width, SPLIT_K), BLOCK_K) * BLOCK_K
+    k_begin = split * k_per_split
+    k_end = tl.minimum(k_begin + k_per_split, in_width)
+    # Products are summed along K once at the end rather than reduced every step.
+    acc = tl.zeros((BLOCK_R, BLOCK_K), dtype=tl.float32)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < k_end
+        x = tl.load(x_ptr + x_base + ks * stride_xk, mask=k_ok, other=0.0)
+        a = tl.load(pool_ptr + a_base[:, None] + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        acc += a.to(tl.float32) * x.to(tl.float32)[None, :]
+    total = tl.sum(acc, axis=1)
+
+    out = out_ptr + token.to(tl.int64) * stride_om + rows
+    if SPLIT_K == 1:
+        tl.store(out, total, mask=row_ok)
+    else:
+        tl.atomic_add(out, total, mask=row_ok)
+
+
+def _max_rank(slot_rank: torch.Tensor, max_rank: int | None) -> int:
+    if max_rank is not None:
+        return max_rank
+    return int(slot_rank.max()) if len(slot_rank) else 0
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # float32 inputs would run as tf32 on tensor cores (10-bit mantissa); float32 means exact here.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _upcast_dot() -> bool:
+    # Triton's CPU interpreter multiplies bfloat16 operands of tl.dot as their raw uint16 storage
+    # (triton 3.9); float32 operands give the same exact products the GPU's bf16 dot makes.
+    return bool(triton.knobs.runtime.interpret)
+
+
+def _split_k(programs: int, k_steps: int, device: torch.device) -> int:
+    """How many programs share one dot product: enough for about two waves of the GPU's SMs, while
+    each still walks at least 4 BLOCK_K steps. 1 off the GPU (the interpreter gains nothing)."""
+    if device.type != "cuda" or programs == 0:
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(2 * sms // programs, k_steps // 4, 16))
+
+
+def _check(x: torch.Tensor, pool_rows: torch.Tensor) -> None:
+    if not pool_rows.is_contiguous():
+        raise ValueError("pool_rows must be contiguous: rows are addressed as flat offsets")
+    if x.dim() != 2 or pool_rows.dim() != 2:
+        raise ValueError(f"x {tuple(x.shape)} and pool_rows {tuple(pool_rows.shape)} must be 2-D")
+
+
+def lora_shrink_segments(
+    x: torch.Tensor,
+    pool_rows: torch.Tensor,
+    a_starts: torch.Tensor,
+    slot_start: torch.Tensor,
+    slot_rank: torch.Tensor,
+    seg_starts: torch.Tensor,
+    seg_slot: torch.Tensor,
+    max_rank: int | None = None,
+    max_seg_len: int | None = None,
+    *,
+    split_k: int | None = None,
+) -> torch.Tensor:
+    """Shrink for tokens grouped in contiguous segments of one adapter each. Returns float32 [T, R].
+
+    Shapes: x [T, in]; pool_rows [N, head_dim] contiguous; a_starts [C] int; slot_start, slot_rank [S]
+    int; seg_starts [G + 1] int; seg_slot [G] int (-1: no adapter). max_rank = max(slot_rank) and
+    max_seg_len = the longest segment size the grid; pass them to spare a device sync. split_k
+    overrides the K split (tests; None picks one).
+    """
+    _check(x, pool_rows)
+    rank = _max_rank(slot_rank, max_rank)
+    num_tokens, in_width = x.shape
+    out = torch.zeros(num_tokens, rank, dtype=torch.float32, device=x.device)
+    num_segments = len(seg_slot)
+    if max_seg_len is None:
+        max_seg_len = int((seg_starts[1:] - seg_starts[:-1]).max()) if num_segments else 0
+    if rank == 0 or num_segments == 0 or max_seg_len == 0 or num_tokens == 0:
+        return out
+    # Long segments reuse each A tile over more tokens; short ones waste fewer masked rows.
+    block_m = 16 if max_seg_len <= 16 else 32 if max_seg_len <= 32 else 64
+    block_r = min(max(triton.next_power_of_2(rank), 16), 64)
+    block_k = 128 if block_m * block_r <= 2048 else 64
+    m_blocks = triton.cdiv(max_seg_len, block_m)
+    r_blocks = triton.cdiv(rank, block_r)
+    programs = num_segments * m_blocks * r_blocks
+    split = split_k or _split_k(programs, triton.cdiv(in_width, block_k), x.device)
+    _shrink_segments_kernel[(num_segments * m_blocks, r_blocks, split)](
+        x,
+        pool_rows,
+        out,
+        a_starts,
+        slot_start,
+        slot_rank,
+        seg_starts,
+        seg_slot,
+        in_width,
+        x.stride(0),
+        x.stride(1),
+        out.stride(0),
+        m_blocks,
+        HEAD_DIM=pool_rows.shape[1],
+        BLOCK_M=block_m,
+        BLOCK_R=block_r,
+        BLOCK_K=block_k,
+        SPLIT_K=split,
+        PRECISION=_dot_precision(x.dtype),
+        UPCAST=_upcast_dot(),
+    )
+    return out
+
+
+def lora_shrink_tokens(
+    x: torch.Tensor,
+    pool_rows: torch.Tensor,
+    a_starts: torch.Tensor,
+    slot_start: torch.Tensor,
+    slot_rank: torch.Tensor,
+    token_slot: torch.Tensor,
+    max_rank: int | None = None,
+    *,
+    split_k: int | None = None,
+) -> torch.Tensor:
+    """Shrink with every token's adapter slot given per token. Returns float32 [T, R].
+
+    Shapes: x [T, in]; pool_rows [N, head_dim] contiguous; a_starts [C] int; slot_start, slot_rank [S]
+    int; token_slot [T] int (-1: no adapter). max_rank = max(slot_rank) spares a device sync.
+    """
+    _check(x, pool_rows)
+    rank = _max_rank(slot_rank, max_rank)
+    num_tokens, in_width = x.shape
+    out = torch.zeros(num_tokens, rank, dtype=torch.float32, device=x.device)
+    if rank == 0 or num_tokens == 0:
+        return out
+    # A [BLOCK_R, BLOCK_K] tile of about 4096 elements whatever the rank: small ranks read longer runs.
+    block_r = min(max(triton.next_power_of_2(rank), 4), 64)
+    block_k = min(max(4096 // block_r, 64), 512)
+    r_blocks = triton.cdiv(rank, block_r)
+    split = split_k or _split_k(num_tokens * r_blocks, triton.cdiv(in_width, block_k), x.device)
+    _shrink_tokens_kernel[(num_tokens, r_blocks, split)](
+        x,
+        pool_rows,
+        out,
+        a_starts,
+        slot_start,
+        slot_rank,
+        token_slot,
+        in_width,
+        x.stride(0),
+        x.stride(1),
+        out.stride(0),
+        HEAD_DIM=pool_rows.shape[1],
+        BLOCK_R=block_r,
+        BLOCK_K=block_k,
+        SPLIT_K=split,
+    )
+    return out

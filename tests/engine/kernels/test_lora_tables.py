@@ -1,0 +1,156 @@
+"""The kernels' index tables built from real PEFT adapters packed into pages by layout.py: they must
+describe exactly the matrices the row-index gathers read, and drive the ops to the same deltas."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from loraplex.adapters import inspect_adapter
+from loraplex.adapters.weights import load_lora_weights
+from loraplex.engine.kernels import lora_expand, lora_shrink, reference
+from loraplex.engine.kernels.lora_tables import LoraTables, group_tables, step_tables
+from loraplex.engine.lora.layout import GROUPS, group_width, pack_adapter, physical_rows
+
+from ...adapters.conftest import TINY_SHAPE, VARIANTS, make_peft_adapter
+
+HEAD_DIM = 16  # divides every TINY projection width (64, 32, 96)
+ROWS_PER_PAGE = 8  # a 96-wide row takes 6 of a page's rows: rows are pushed to the next page at times
+
+
+@dataclass
+class Placed:
+    """An adapter resident in the pool: its pool rows per group (like residency.Resident)."""
+
+    a_rows: dict[str, torch.Tensor]
+    b_rows: dict[str, torch.Tensor]
+
+
+PoolAndAdapters = tuple[torch.Tensor, dict[str, Placed]]
+
+
+@pytest.fixture(scope="module")
+def pool_and_adapters(tmp_path_factory: pytest.TempPathFactory) -> PoolAndAdapters:
+    """Every PEFT variant packed and loaded into randomly chosen, shuffled pages of one pool."""
+    root: Path = tmp_path_factory.mktemp("lora-tables")
+    packed = {}
+    for i, (name, args) in enumerate(VARIANTS.items()):
+        make_peft_adapter(root / name, seed=i, **args)
+        manifest = inspect_adapter(root / name, TINY_SHAPE)
+        weights = load_lora_weights(root / name, manifest)
+        packed[name] = pack_adapter(manifest, weights, TINY_SHAPE, HEAD_DIM, ROWS_PER_PAGE)
+    needed = [p.pages_needed(ROWS_PER_PAGE) for p in packed.values()]
+    free_pages = list(range(1, sum(needed) + 9))  # page 0 is the null page; some pages stay unused
+    random.Random(0).shuffle(free_pages)
+    pool_rows = torch.randn(len(free_pages) + 1, ROWS_PER_PAGE, HEAD_DIM).flatten(
+        0, 1
+    )  # garbage in free pages
+    pool_rows[:ROWS_PER_PAGE] = 0
+    placed = {}
+    for (name, adapter), count in zip(packed.items(), needed, strict=True):
+        pages, free_pages = free_pages[:count], free_pages[count:]
+        pool_rows.index_copy_(0, physical_rows(adapter.data_rows, pages, ROWS_PER_PAGE), adapter.data)
+
+        def place(index: dict[str, torch.Tensor], pages: list[int] = pages) -> dict[str, torch.Tensor]:
+            return {g: physical_rows(v, pages, ROWS_PER_PAGE) for g, v in index.items()}
+
+        placed[name] = Placed(place(adapter.a_rows), place(adapter.b_rows))
+    return pool_rows, placed
+
+
+def dense_from_tables(pool_rows: torch.Tensor, tables: LoraTables, in_width: int, out_width: int):
+    """Per layer, the stacked A [L, C, in] and B [L, C, out] the tables describe, read from the flat pool."""
+    flat = pool_rows.flatten()
+    a = flat[tables.a_starts[..., None] * HEAD_DIM + torch.arange(in_width)]
+    offset = torch.arange(out_width) - tables.b_cols[..., None].long()  # [L, C, out]
+    inside = (offset >= 0) & (offset < tables.b_widths[..., None])
+    index = (tables.b_starts[..., None] * HEAD_DIM + offset.clamp(min=0)).clamp(max=flat.numel() - 1)
+    b = torch.where(inside, flat[index], 0.0)
+    return a, b
+
+
+ORDERS = [
+    list(VARIANTS),
+    ["layer1-only", "regex", "qv-r8"],
+    ["full-names", "all-linear-patterns", "full-names"],  # a slot may repeat an adapter
+    ["regex"],
+]
+
+
+@pytest.mark.parametrize("order", ORDERS, ids=["all", "three", "repeat", "one"])
+def test_tables_describe_the_gathered_matrices(pool_and_adapters: PoolAndAdapters, order: list[str]) -> None:
+    pool_rows, placed = pool_and_adapters
+    adapters = [placed[name] for name in order]
+    tables = step_tables(adapters, TINY_SHAPE, HEAD_DIM)
+    assert set(tables) == {g for g in GROUPS if any(g in a.a_rows for a in adapters)}
+    for group, table in tables.items():
+        in_width, out_width = group_width(TINY_SHAPE, group)
+        present = [a for a in adapters if group in a.a_rows]
+        a_want = reference.gather_rows(pool_rows, torch.cat([a.a_rows[group] for a in present], dim=1))
+        b_want = reference.gather_rows(pool_rows, torch.cat([a.b_rows[group] for a in present], dim=1))
+        a_got, b_got = dense_from_tables(pool_rows, table, in_width, out_width)
+        assert torch.equal(a_got, a_want), group
+        assert torch.equal(b_got, b_want), group
+
+        ranks = [a.a_rows[group].shape[1] if group in a.a_rows else 0 for a in adapters]
+        assert table.slot_rank.tolist() == ranks and table.max_rank == max(ranks)
+        assert table.slot_start.tolist() == [sum(ranks[:u]) for u in range(len(ranks))]
+        assert table.a_starts.shape == table.b_starts.shape == (TINY_SHAPE.num_layers, sum(ranks))
+        # A row of a module's B never has the null row; padding rows carry none of their own.
+        padding = table.b_widths == 0
+        assert torch.equal(padding, ~b_want.any(dim=-1))
+        assert not table.a_starts[padding].any() and not table.b_starts[padding].any()
+
+
+def test_group_no_adapter_adapts_is_none(pool_and_adapters: PoolAndAdapters) -> None:
+    _, placed = pool_and_adapters
+    assert group_tables([placed["regex"]], "o", TINY_SHAPE, HEAD_DIM) is None  # regex adapts up and k
+    assert step_tables([], TINY_SHAPE, HEAD_DIM) == {}
+
+
+def test_layer_padding_rows(pool_and_adapters: PoolAndAdapters) -> None:
+    """An adapter with more ranks in one layer than another pads the other: width 0 there."""
+    _, placed = pool_and_adapters
+    table = group_tables([placed["layer1-only"]], "qkv", TINY_SHAPE, HEAD_DIM)
+    assert table is not None  # k at rank 2, in layer 1 only
+    assert table.b_widths.tolist() == [[0, 0], [32, 32]]
+    assert table.b_cols.tolist() == [[0, 0], [64, 64]]  # k's columns follow q's 64
+
+
+@pytest.mark.parametrize("form", ["reference", "kernel"])
+def test_ops_on_tables_match_dense_stacks(
+    pool_and_adapters: PoolAndAdapters, form: str, device: torch.device
+) -> None:
+    """Shrink then expand on the tables adds the same deltas as the dense-stack oracle
+    (reference.lora_shrink_expand over gather_rows stacks), for every layer and group."""
+    pool_rows, placed = pool_and_adapters
+    order = list(VARIANTS)
+    adapters = [placed[name] for name in order]
+    token_slot = torch.tensor([0, 4, -1, 1, 2, 3, 0, 2, -1, 4, 1], dtype=torch.int32)
+    shrink = lora_shrink.lora_shrink_tokens if form == "kernel" else reference.lora_shrink_tokens
+    expand = lora_expand.lora_expand_tokens if form == "kernel" else reference.lora_expand_tokens
+    generator = torch.Generator().manual_seed(1)
+    for group, table in step_tables(adapters, TINY_SHAPE, HEAD_DIM).items():
+        in_width, out_width = group_width(TINY_SHAPE, group)
+        present = [(u, a) for u, a in enumerate(adapters) if group in a.a_rows]
+        a_dense = reference.gather_rows(pool_rows, torch.cat([a.a_rows[group] for _, a in present], dim=1))
+        b_dense = reference.gather_rows(pool_rows, torch.cat([a.b_rows[group] for _, a in present], dim=1))
+        owner = torch.cat([torch.full((a.a_rows[group].shape[1],), u) for u, a in present])
+        columns = (owner[None, :] == token_slot[:, None].long()).float()  # [T, C]
+        for layer in range(TINY_SHAPE.num_layers):
+            x = torch.randn(len(token_slot), in_width, generator=generator)
+            y = torch.randn(len(token_slot), out_width, generator=generator)
+            want = y.clone()
+            reference.lora_shrink_expand(x, want, a_dense[layer], b_dense[layer], columns)
+            got = y.to(device)
+            a_tables = (table.a_starts[layer], table.slot_start, table.slot_rank)
+            b_tables = (table.b_starts[layer], table.b_cols[layer], table.b_widths[layer])
+            on = [t.to(device) for t in (*a_tables, *b_tables, token_slot)]
+            pool = pool_rows.to(device)
+            shrunk = shrink(x.to(device), pool, *on[:3], on[6], table.max_rank)
+            expand(got, shrunk, pool, *on[3:6], on[1], on[2], on[6])
+            torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-5, msg=f"{group} layer {layer}")
