@@ -30,8 +30,16 @@ $(VENV)/.dev: $(VENV)/.model pyproject.toml
 	$(PIP) install -c $(CONSTRAINTS) -e ".[engine,web,operator,dev]"
 	touch $@
 
+# The console's browser tests drive Debian's chromium through playwright; playwright's own browser
+# download is never used (`playwright install` fetches from outside the package registries).
+CHROMIUM := /usr/bin/chromium
+APT_CHROMIUM := DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends chromium
+SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
+$(CHROMIUM):
+	$(SUDO) env $(APT_CHROMIUM) || { $(SUDO) apt-get update && $(SUDO) env $(APT_CHROMIUM); }
+
 install: $(VENV)/.engine
-install-dev: $(VENV)/.dev
+install-dev: $(VENV)/.dev $(CHROMIUM)
 
 # Installs the engine and answers one prompt with the default model (SmolLM2-135M-Instruct, CPU).
 run: install

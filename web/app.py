@@ -10,6 +10,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from . import console
 from .api.limits import BodySizeLimit
 from .api.routes import adapters, deployments, gateway, health, keys, tenants, usage
 from .db.session import Database
@@ -50,12 +51,15 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.router = Router(cooldown_s=settings.endpoint_cooldown_s)
 
     app.add_middleware(
-        BodySizeLimit, upload_paths=("/api/v1/adapters",), upload_bytes=settings.max_upload_bytes
+        BodySizeLimit,
+        upload_paths=("/api/v1/adapters", "/console/adapters"),  # the console uploads adapters too
+        upload_bytes=settings.max_upload_bytes,
     )
     app.add_exception_handler(ServiceError, _service_error)  # type: ignore[arg-type]
     for module in (health, tenants, deployments, keys, adapters, usage, gateway):
         app.include_router(module.router)
     gateway.install_error_handlers(app)
+    console.install(app, settings)
     return app
 
 

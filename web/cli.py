@@ -1,9 +1,14 @@
-"""`loraplex control-plane`: migrate the database and serve the control plane (wired into cli/main.py)."""
+"""`loraplex control-plane`: migrate the database and serve the control plane (wired into cli/main.py).
+
+`loraplex control-plane create-admin --email E --password-stdin` makes the console's first admin.
+"""
 
 from __future__ import annotations
 
 import argparse
+import getpass
 import logging
+import sys
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -15,9 +20,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--migrate-only", action="store_true", help="upgrade the database to the latest schema and exit"
     )
+    actions = parser.add_subparsers(dest="action", metavar="ACTION", help="without one: serve")
+    admin = actions.add_parser(
+        "create-admin",
+        help="create a console admin (the first one, or another), after upgrading the database",
+        description="Create a platform admin for the web console. The database is upgraded first.",
+    )
+    admin.add_argument("--email", required=True, help="the admin's email, used to sign in")
+    admin.add_argument(
+        "--password-stdin",
+        action="store_true",
+        help="read the password from the first line of standard input (else it is asked for twice)",
+    )
+    admin.add_argument(
+        "--update",
+        action="store_true",
+        help="if the email already has an account: make it an admin, enable it and set this password",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "action", None) == "create-admin":
+        return create_admin(args)
+    return serve(args)
+
+
+def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from .app import create_app
@@ -32,4 +60,52 @@ def run(args: argparse.Namespace) -> int:
     if args.migrate_only:
         return 0
     uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level="info")
+    return 0
+
+
+def read_password(from_stdin: bool) -> str:
+    if from_stdin:
+        return sys.stdin.readline().rstrip("\r\n")
+    first = getpass.getpass("Password: ")
+    if getpass.getpass("Password again: ") != first:
+        raise ValueError("the two passwords differ")
+    return first
+
+
+def create_admin(args: argparse.Namespace) -> int:
+    from .db.migrate import upgrade
+    from .db.models import UserRole
+    from .db.session import Database
+    from .services import console_sessions, users
+    from .services.errors import ServiceError
+    from .settings import Settings
+
+    settings = Settings()
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        password = read_password(args.password_stdin)
+        upgrade(settings.database_url)
+        db = Database(settings.database_url)
+        try:
+            with db.session() as session:
+                existing = users.find_by_email(session, args.email)
+                if existing is not None and args.update:
+                    users.set_password(session, existing.id, password)
+                    users.make_admin(session, existing.id)
+                    console_sessions.end_all(session, existing.id)  # the old password's sessions end
+                    print(f"{existing.email} is an admin now, with the new password")
+                    return 0
+                created = users.create_user(session, args.email, password, UserRole.ADMIN, None)
+        finally:
+            db.dispose()
+    except (ServiceError, ValueError) as exc:
+        message = exc.message if isinstance(exc, ServiceError) else str(exc)
+        hint = (
+            " (add --update to make that account an admin and reset its password)"
+            if "exists" in message
+            else ""
+        )
+        print(f"loraplex control-plane create-admin: {message}{hint}", file=sys.stderr)
+        return 1
+    print(f"admin {created.email} created; sign in at /console/sign-in")
     return 0

@@ -28,6 +28,15 @@ class Settings(BaseSettings):
     endpoint_cooldown_s: float = Field(default=10.0, ge=0)
     # Tokens reserved against tokens-per-minute when a request names no max_tokens.
     default_max_tokens: int = Field(default=256, gt=0)
+    # The console: the key that signs its cookies, how long a sign-in lasts, and sign-in throttling
+    # (this many failures per email within the window lock that email until the window ends; a
+    # client address gets four times as many).
+    session_secret: SecretStr | None = None
+    session_hours: float = Field(default=12.0, gt=0)
+    sign_in_max_failures: int = Field(default=5, ge=1)
+    sign_in_window_s: float = Field(default=900.0, gt=0)
+    # Secure cookies: None sends them Secure exactly when the request came over https.
+    secure_cookies: bool | None = None
 
     @model_validator(mode="after")
     def _defaults(self) -> Settings:
@@ -42,6 +51,9 @@ class Settings(BaseSettings):
 
     def engine_token(self) -> str:
         return _secret(self.internal_token, self.data_dir / "internal_token")
+
+    def console_secret(self) -> bytes:
+        return _secret(self.session_secret, self.data_dir / "session_secret").encode()
 
     def artifacts(self) -> Path:
         assert self.artifact_root is not None  # set by _defaults

@@ -170,3 +170,54 @@ class UsageRecord(Base):
     status: Mapped[str] = mapped_column(String(32))
     created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
     day: Mapped[dt.date] = mapped_column(Date)
+
+
+class UserRole(enum.StrEnum):
+    ADMIN = "admin"  # runs the platform: tenants, quotas, deployments, users
+    MEMBER = "member"  # works inside one tenant: keys, adapters, playground, usage
+
+
+class User(Base):
+    """A person who signs in to the console: a tenant's member, or a platform admin."""
+
+    __tablename__ = "users"
+
+    id: Mapped[uuid.UUID] = mapped_column(primary_key=True, default=uuid.uuid4)
+    # Stored lowercased, so sign-in does not depend on how the address was typed.
+    email: Mapped[str] = mapped_column(String(320), unique=True)
+    # argon2id in its encoded form (parameters and salt included); never the password itself.
+    password_hash: Mapped[str] = mapped_column(String(256))
+    role: Mapped[UserRole] = mapped_column(
+        Enum(UserRole, name="user_role", values_callable=lambda e: [m.value for m in e]),
+        default=UserRole.MEMBER,
+    )
+    # Members belong to one tenant; an admin may have none.
+    tenant_id: Mapped[uuid.UUID | None] = mapped_column(
+        ForeignKey("tenants.id", ondelete="CASCADE"), index=True
+    )
+    disabled: Mapped[bool] = mapped_column(default=False)
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    last_sign_in_at: Mapped[dt.datetime | None]
+
+    tenant: Mapped[Tenant | None] = relationship()
+
+
+class ConsoleSession(Base):
+    """A signed-in browser. The cookie holds a random token; only its sha256 is stored here."""
+
+    __tablename__ = "console_sessions"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    user_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("users.id", ondelete="CASCADE"), index=True)
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    expires_at: Mapped[dt.datetime]
+
+
+class SignInFailures(Base):
+    """Failed sign-ins of one subject (an email or a client address) in its current window."""
+
+    __tablename__ = "sign_in_failures"
+
+    subject: Mapped[str] = mapped_column(String(400), primary_key=True)
+    window_started_at: Mapped[dt.datetime]
+    failures: Mapped[int] = mapped_column(default=0)
