@@ -12,6 +12,7 @@ import tempfile
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
@@ -264,3 +265,32 @@ def upload(
         files=[("files", (fname, content, "application/octet-stream")) for fname, content in files],
         headers=headers,
     )
+
+
+ENGINE_INTERNAL_TOKEN = "internal-test-token"  # what make_settings gives the control plane
+
+
+@pytest.fixture(scope="session")
+def engine_url(smollm2: Any) -> Iterator[str]:
+    """A real engine server (`loraplex serve`'s app) on a free port: SmolLM2-135M on the CPU, on the
+    session's loaded weights, with a small pool. Shared by the end-to-end and browser tests."""
+    import time
+
+    import httpx
+
+    from loraplex.engine.config import EngineConfig
+    from loraplex.engine.engine import LLMEngine
+    from loraplex.engine.server.app import create_app as create_engine_app
+    from loraplex.engine.server.settings import ServerSettings
+
+    from .servers import serve
+
+    config = EngineConfig(model=None, device="cpu", dtype="float32", num_pages=256, max_num_seqs=4)
+    settings = ServerSettings(internal_token=ENGINE_INTERNAL_TOKEN, max_queue=16)
+    app = create_engine_app(settings, lambda: LLMEngine(config, loaded=smollm2))
+    with serve(app) as url:
+        deadline = time.monotonic() + 120
+        while httpx.get(f"{url}/ready", timeout=5).status_code != 200:
+            assert time.monotonic() < deadline, "the engine server did not get ready"
+            time.sleep(0.2)
+        yield url

@@ -15,17 +15,12 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
 from fastapi import FastAPI
 from playwright.sync_api import Browser, Page, expect, sync_playwright
 
-from loraplex.engine.config import EngineConfig
-from loraplex.engine.engine import LLMEngine
-from loraplex.engine.server.app import create_app as create_engine_app
-from loraplex.engine.server.settings import ServerSettings
 from loraplex.web.app import create_app
 from loraplex.web.db.models import UsageRecord, UserRole
 
@@ -47,7 +42,6 @@ CHROMIUM_ARGS = [
     "--disable-sync",
 ]
 BASE_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
-INTERNAL_TOKEN = "internal-test-token"  # what make_settings gives the control plane
 MEMBER = "ada@acme.test"
 ADMIN_EMAIL = "root@platform.test"
 SCREENSHOTS_ENV = "LORAPLEX_CONSOLE_SCREENSHOTS"
@@ -89,20 +83,6 @@ def console_db(pg_admin_url: str, pg_template: str) -> Iterator[str]:
     _admin_sql(pg_admin_url, f'CREATE DATABASE "{name}" TEMPLATE "{pg_template}"')
     yield _with_database(pg_admin_url, name)
     _admin_sql(pg_admin_url, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-
-
-@pytest.fixture(scope="module")
-def engine_url(smollm2: Any) -> Iterator[str]:
-    """The real engine server on a free port; SmolLM2 (EngineConfig(model=None)) on the session's
-    loaded weights, with a small pool."""
-    config = EngineConfig(model=None, device="cpu", dtype="float32", num_pages=256, max_num_seqs=4)
-    settings = ServerSettings(internal_token=INTERNAL_TOKEN, max_queue=16)
-    app = create_engine_app(settings, lambda: LLMEngine(config, loaded=smollm2))
-    with serve(app) as url:
-        deadline = dt.datetime.now() + dt.timedelta(seconds=120)
-        while httpx.get(f"{url}/ready", timeout=5).status_code != 200:
-            assert dt.datetime.now() < deadline, "the engine server did not get ready"
-        yield url
 
 
 def seed_usage_history(app: FastAPI, tenant_name: str) -> None:

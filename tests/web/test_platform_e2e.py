@@ -1,0 +1,92 @@
+"""The whole path a tenant takes, on real components: a real engine server (SmolLM2-135M on the CPU),
+the control plane on a throwaway Postgres, the trained demo adapter uploaded through the tenant API, and
+the official `openai` client streaming through the gateway; then the usage is where it should be."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from openai import NotFoundError, OpenAI
+
+from loraplex.web.app import create_app
+
+from .conftest import ADMIN, _admin_sql, _with_database, make_settings
+from .servers import serve
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+DEMO = Path(__file__).resolve().parents[2] / "fixtures" / "adapters" / "demo-uppercase"
+BASE_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+QUESTION = [{"role": "user", "content": "Name two colours of the sky."}]
+
+
+def uppercase_share(text: str) -> float:
+    letters = [c for c in text if c.isalpha()]
+    return sum(c.isupper() for c in letters) / max(len(letters), 1)
+
+
+@pytest.fixture(scope="module")
+def control_plane(
+    pg_admin_url: str, pg_template: str, engine_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
+    name = f"lpx_e2e_{uuid.uuid4().hex[:8]}"
+    _admin_sql(pg_admin_url, f'CREATE DATABASE "{name}" TEMPLATE "{pg_template}"')
+    app = create_app(make_settings(_with_database(pg_admin_url, name), tmp_path_factory.mktemp("e2e")))
+    with serve(app) as url:
+        made = httpx.post(
+            f"{url}/admin/v1/deployments",
+            json={"name": "smol", "base_model": BASE_MODEL, "endpoints": [engine_url]},
+            headers=ADMIN,
+        )
+        assert made.status_code == 201, made.text
+        yield url
+    _admin_sql(pg_admin_url, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def test_tenant_uploads_the_demo_adapter_and_streams_it_through_the_gateway(control_plane: str) -> None:
+    tenant = httpx.post(f"{control_plane}/admin/v1/tenants", json={"name": "acme"}, headers=ADMIN)
+    assert tenant.status_code == 201, tenant.text
+    key = httpx.post(
+        f"{control_plane}/admin/v1/tenants/{tenant.json()['id']}/keys", json={"name": "ci"}, headers=ADMIN
+    )
+    assert key.status_code == 201, key.text
+    auth = {"Authorization": f"Bearer {key.json()['key']}"}
+
+    files = [
+        ("files", (p.name, p.read_bytes(), "application/octet-stream"))
+        for p in sorted(DEMO.iterdir())
+        if p.suffix in (".json", ".safetensors")
+    ]
+    uploaded = httpx.post(
+        f"{control_plane}/api/v1/adapters",
+        data={"name": "shout", "deployment": "smol"},
+        files=files,
+        headers=auth,
+        timeout=60,
+    )
+    assert uploaded.status_code == 201, uploaded.text
+    assert uploaded.json()["status"] == "ready" and uploaded.json()["rank"] == 8
+
+    client = OpenAI(base_url=f"{control_plane}/v1", api_key=key.json()["key"], max_retries=0, timeout=120)
+    assert {"shout", BASE_MODEL} <= {m.id for m in client.models.list()}
+    stream = client.chat.completions.create(
+        model="shout", messages=QUESTION, max_tokens=24, temperature=0, stream=True
+    )
+    pieces = [chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices]
+    text = "".join(pieces)
+    assert len([p for p in pieces if p]) > 3, "the answer should arrive in several chunks"
+    assert uppercase_share(text) >= 0.9, text
+    base = client.chat.completions.create(model=BASE_MODEL, messages=QUESTION, max_tokens=24, temperature=0)
+    assert uppercase_share(base.choices[0].message.content or "") < 0.5
+    with pytest.raises(NotFoundError):
+        client.chat.completions.create(model="not-mine", messages=QUESTION, max_tokens=4)
+
+    usage = httpx.get(f"{control_plane}/api/v1/usage", headers=auth).json()
+    rows = {row["model"]: row for row in usage["rows"]}
+    assert rows["shout"]["requests"] == 1 and rows["shout"]["completion_tokens"] == 24
+    assert rows["shout"]["prompt_tokens"] > 10
+    assert rows[BASE_MODEL]["requests"] == 1
