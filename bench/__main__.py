@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import offline, step_profile
+from . import lora, offline, serve, step_profile
 
 
 def main() -> int:
@@ -13,6 +13,8 @@ def main() -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     offline.add_arguments(commands.add_parser("offline", help="engine vs transformers throughput"))
     step_profile.add_arguments(commands.add_parser("profile", help="where a decode step's time goes"))
+    serve.add_arguments(commands.add_parser("serve", help="loraplex serve under streaming load on loopback"))
+    lora.add_arguments(commands.add_parser("lora", help="multi-LoRA benchmarks (issue 3)"))
     args = parser.parse_args()
     return int(args.run(args))
 

@@ -45,6 +45,33 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    # FastAPI, uvicorn and torch load only here: `loraplex --help` stays quick.
+    from loraplex.engine.server.serve import run_server
+    from loraplex.engine.server.settings import ServerSettings
+
+    flags = {
+        "model": args.model,
+        "host": args.host,
+        "port": args.port,
+        "device": args.device,
+        "dtype": args.dtype,
+        "served_model_name": args.served_model_name,
+        "num_pages": args.num_pages,
+        "max_num_seqs": args.max_num_seqs,
+        "max_model_len": args.max_model_len,
+        "max_queue": args.max_queue,
+        "adapters": args.adapter,
+    }
+    try:
+        # Flags given on the command line win; the rest come from LORAPLEX_* variables, then defaults.
+        settings = ServerSettings(**{k: v for k, v in flags.items() if v is not None})
+    except ValueError as exc:
+        print(f"loraplex serve: {exc}", file=sys.stderr)
+        return 2
+    return run_server(settings)
+
+
 def _operator(args: argparse.Namespace) -> int:
     # kopf and the handlers load only here: the engine's install needs neither.
     import kopf
@@ -81,6 +108,36 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     gen.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
     gen.set_defaults(handler=_generate)
+
+    serve = commands.add_parser(
+        "serve",
+        help="serve the model and its adapters over an OpenAI-compatible HTTP API",
+        description="Every option also reads from LORAPLEX_<OPTION> (e.g. LORAPLEX_NUM_PAGES); flags win.",
+    )
+    serve.add_argument(
+        "--model", default=None, help="a .gguf file, a Hugging Face directory or a file:// URI"
+    )
+    serve.add_argument("--host", default=None, help="address to listen on (default 0.0.0.0)")
+    serve.add_argument("--port", type=int, default=None, help="port to listen on (default 8000)")
+    serve.add_argument(
+        "--adapter",
+        action="append",
+        default=None,
+        metavar="NAME=PATH_OR_URI",
+        help="register an adapter at start, optionally NAME=URI@SHA256 (repeatable)",
+    )
+    serve.add_argument("--device", default=None, help="auto | cpu | cuda | cuda:N")
+    serve.add_argument("--dtype", default=None, help="auto | float32 | bfloat16 | float16")
+    serve.add_argument("--served-model-name", default=None, help="the base model's id in the API")
+    serve.add_argument(
+        "--num-pages", type=int, default=None, help="pool size in pages (default: from memory)"
+    )
+    serve.add_argument("--max-num-seqs", type=int, default=None, help="requests in the running batch at most")
+    serve.add_argument("--max-model-len", type=int, default=None, help="prompt + output tokens at most")
+    serve.add_argument(
+        "--max-queue", type=int, default=None, help="waiting requests before 429 (default 256)"
+    )
+    serve.set_defaults(handler=_serve)
 
     from loraplex.web import cli as web_cli
 

@@ -1,0 +1,547 @@
+"""The HTTP side: OpenAI-compatible routes, internal adapter management, health, readiness, metrics.
+
+The model loads in the background after startup, so /health answers at once (the process is alive)
+and /ready turns 200 only once the model is loaded, the start adapters are registered and the engine
+loop runs. Generation requests go through `AsyncEngine`; a request's status code is decided only
+after its first output (or failure), so an adapter that cannot load still answers 422, not a broken
+200 stream.
+
+Trust: the gateway sends `X-Loraplex-Internal-Token` with tenant and adapter headers. Those headers are
+honoured only with the right token (compared in constant time); without a token configured, they and
+the adapter-management endpoints are refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from loraplex.adapters import AdapterError, AdapterManifest
+
+from . import protocol
+from .async_engine import (
+    AdapterFetchFailed,
+    AdapterUnavailable,
+    AsyncEngine,
+    EngineUnavailable,
+    QueueFull,
+    RequestStream,
+    UnknownAdapter,
+)
+from .delivery import (
+    RETRY_AFTER_S,
+    AbortingStreamingResponse,
+    ClientGone,
+    Delivery,
+    Job,
+    failure,
+    last_output,
+    output_failure,
+    unless_disconnected,
+)
+from .metrics import ServerMetrics
+from .protocol import OpenAIError, bad_request
+from .settings import ServerSettings
+
+if TYPE_CHECKING:
+    from loraplex.engine.engine import LLMEngine
+    from loraplex.engine.sampling_params import SamplingParams
+
+log = logging.getLogger("loraplex.engine.server")
+
+INTERNAL_TOKEN_HEADER = "X-Loraplex-Internal-Token"
+TENANT_HEADER = "X-Loraplex-Tenant"
+ADAPTER_ID_HEADER = "X-Loraplex-Adapter-Id"
+ADAPTER_URI_HEADER = "X-Loraplex-Adapter-Uri"
+ADAPTER_SHA256_HEADER = "X-Loraplex-Adapter-Sha256"
+GATEWAY_HEADERS = (TENANT_HEADER, ADAPTER_ID_HEADER, ADAPTER_URI_HEADER, ADAPTER_SHA256_HEADER)
+GATEWAY_ADAPTER_PREFIX = "id:"  # engine names of adapters the gateway registers, keyed by adapter id
+
+
+@dataclass(frozen=True)
+class Caller:
+    trusted: bool  # presented the right internal token
+    tenant: str | None
+
+
+class ServerState:
+    """What the routes share: settings, metrics, and the engine once it has loaded."""
+
+    def __init__(
+        self,
+        settings: ServerSettings,
+        metrics: ServerMetrics,
+        on_fatal: Callable[[str], None] | None = None,
+    ):
+        self.settings = settings
+        self.metrics = metrics
+        self.on_fatal = on_fatal
+        self.engine: AsyncEngine | None = None
+        self.load_error: str | None = None
+        self.draining = False
+        self.created = protocol.now()
+        self._registering: dict[str, asyncio.Future[AdapterManifest]] = {}
+
+    async def boot(self, factory: Callable[[], LLMEngine]) -> None:
+        """Load the model off the event loop, start the engine loop, register the start adapters."""
+        try:
+            engine = await asyncio.to_thread(factory)
+        except Exception as exc:
+            self._fatal(f"the model failed to load: {exc}")
+            return
+        async_engine = AsyncEngine(engine, self.metrics, self.settings.max_queue)
+        async_engine.start()
+        for name, uri, sha256 in self.settings.start_adapters():
+            try:
+                await async_engine.register_adapter(name, self.settings.resolve_adapter_uri(uri), sha256)
+            except (AdapterError, EngineUnavailable) as exc:
+                await async_engine.stop()
+                self._fatal(f"adapter {name!r} could not be registered: {exc}")
+                return
+            log.info("registered adapter %s from %s", name, uri)
+        self.engine = async_engine
+        log.info("ready: serving %s", self.settings.model_name)
+
+    def _fatal(self, message: str) -> None:
+        log.error("%s", message)
+        self.load_error = message
+        if self.on_fatal is not None:
+            self.on_fatal(message)
+
+    @property
+    def ready(self) -> bool:
+        return self.engine is not None and self.engine.ready and not self.draining
+
+    def not_ready_reason(self) -> str:
+        if self.draining:
+            return "draining: the server is shutting down"
+        if self.load_error is not None:
+            return self.load_error
+        if self.engine is None:
+            return "the model is loading"
+        return self.engine.not_ready_reason
+
+    def serving(self) -> AsyncEngine:
+        """The engine, if it can take requests now; else a 503 that says why."""
+        if self.engine is None or not self.engine.accepting or self.draining:
+            raise OpenAIError(
+                503,
+                f"not ready: {self.not_ready_reason()}",
+                "server_error",
+                "not_ready",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            )
+        assert self.engine is not None
+        return self.engine
+
+    # -- trust ------------------------------------------------------------------------------------
+
+    def presented_token(self, request: Request) -> bool:
+        """True with the right internal token; False with none; a 401/403 with a wrong one."""
+        presented = request.headers.get(INTERNAL_TOKEN_HEADER)
+        if presented is None:
+            return False
+        token = self.settings.internal_token
+        if token is None:
+            raise OpenAIError(
+                403,
+                "internal headers are refused: this server has no internal token (LORAPLEX_INTERNAL_TOKEN)",
+                "permission_error",
+                "internal_token_not_configured",
+            )
+        if not hmac.compare_digest(presented.encode(), token.get_secret_value().encode()):
+            raise OpenAIError(
+                401, "the internal token is wrong", "invalid_request_error", "invalid_internal_token"
+            )
+        return True
+
+    def require_internal(self, request: Request) -> None:
+        if self.settings.internal_token is None:
+            raise OpenAIError(
+                403,
+                "adapter management is disabled: this server has no internal token (LORAPLEX_INTERNAL_TOKEN)",
+                "permission_error",
+                "internal_token_not_configured",
+            )
+        if not self.presented_token(request):
+            raise OpenAIError(
+                401,
+                f"adapter management needs the {INTERNAL_TOKEN_HEADER} header",
+                "invalid_request_error",
+                "missing_internal_token",
+            )
+
+    def caller(self, request: Request) -> Caller:
+        trusted = self.presented_token(request)
+        sent = [h for h in GATEWAY_HEADERS if h in request.headers]
+        if sent and not trusted:
+            if self.settings.internal_token is None:
+                raise OpenAIError(
+                    403,
+                    f"{', '.join(sent)} refused: this server has no internal token configured",
+                    "permission_error",
+                    "internal_token_not_configured",
+                )
+            raise OpenAIError(
+                401,
+                f"{', '.join(sent)} need a valid {INTERNAL_TOKEN_HEADER}",
+                "invalid_request_error",
+                "missing_internal_token",
+            )
+        return Caller(trusted, request.headers.get(TENANT_HEADER) if trusted else None)
+
+    # -- which model ----------------------------------------------------------------------------------
+
+    def is_base_model(self, model: str) -> bool:
+        names = {self.settings.model_name}
+        if self.settings.model:
+            names.add(self.settings.model)
+        return model in names
+
+    async def adapter_for(self, request: Request, model: str, caller: Caller) -> str | None:
+        """The engine adapter a request names (None: the base model), registering the gateway's lazily."""
+        engine = self.serving()
+        adapter_id = request.headers.get(ADAPTER_ID_HEADER)
+        if caller.trusted and adapter_id:
+            uri = request.headers.get(ADAPTER_URI_HEADER)
+            if not uri:
+                raise bad_request(
+                    f"{ADAPTER_ID_HEADER} needs {ADAPTER_URI_HEADER} too", code="adapter_uri_missing"
+                )
+            sha256 = request.headers.get(ADAPTER_SHA256_HEADER) or None
+            name = GATEWAY_ADAPTER_PREFIX + adapter_id
+            await self.ensure_adapter(engine, name, uri, sha256)
+            return name
+        if self.is_base_model(model):
+            return None
+        if model in engine.adapters and (caller.trusted or not model.startswith(GATEWAY_ADAPTER_PREFIX)):
+            return model
+        if caller.trusted:
+            return None  # the gateway resolved `model` to this deployment's base model
+        raise OpenAIError(
+            404, f"The model `{model}` does not exist.", "invalid_request_error", "model_not_found"
+        )
+
+    async def ensure_adapter(self, engine: AsyncEngine, name: str, uri: str, sha256: str | None) -> None:
+        """Register `name` unless it is already there with these weights; one registration at a time
+        per name, shared by the requests that arrive meanwhile (and not cancelled if one leaves)."""
+        known = engine.adapters.get(name)
+        fresh = known is not None and (sha256 is None or known == sha256.lower())
+        if fresh and name not in engine.failed_adapters:
+            return
+        pending = self._registering.get(name)
+        if pending is None:
+            pending = asyncio.ensure_future(self.register(engine, name, uri, sha256))
+            self._registering[name] = pending
+
+            def forget(done: asyncio.Future[AdapterManifest]) -> None:
+                self._registering.pop(name, None)
+                if not done.cancelled():
+                    done.exception()  # retrieved here, so an error nobody awaits logs no warning
+
+            pending.add_done_callback(forget)
+        await asyncio.shield(pending)
+
+    async def register(self, engine: AsyncEngine, name: str, uri: str, sha256: str | None) -> AdapterManifest:
+        """Register an adapter, answering an HTTP error that says why it was refused."""
+        try:
+            manifest = await engine.register_adapter(name, self.settings.resolve_adapter_uri(uri), sha256)
+        except AdapterFetchFailed as exc:
+            self.metrics.adapter_registrations.labels("fetch_failed").inc()
+            raise OpenAIError(
+                400, f"adapter {name!r}: {exc}", "invalid_request_error", "adapter_fetch_failed"
+            ) from exc
+        except AdapterError as exc:
+            self.metrics.adapter_registrations.labels("invalid").inc()
+            raise OpenAIError(
+                422, f"adapter {name!r}: {exc}", "invalid_request_error", "adapter_invalid"
+            ) from exc
+        self.metrics.adapter_registrations.labels("ok").inc()
+        log.info("registered adapter %s from %s", name, uri)
+        return manifest
+
+    # -- running requests ---------------------------------------------------------------------------------
+
+    def params(
+        self, body: protocol._GenerationRequest, prompt_len: int, limit: int | None, logprobs: int | None
+    ) -> SamplingParams:
+        """Sampling parameters, with the context checks a client can act on (400s naming the limits)."""
+        from loraplex.engine.sampling_params import SamplingParams
+
+        engine = self.serving()
+        context = engine.max_model_len
+        if prompt_len >= context:
+            raise bad_request(
+                f"This model's maximum context length is {context} tokens, and the prompt has {prompt_len} "
+                "tokens: it must be shorter to leave room for the completion.",
+                code="context_length_exceeded",
+            )
+        if limit is not None and prompt_len + limit > context:
+            raise bad_request(
+                f"This model's maximum context length is {context} tokens. However, you requested "
+                f"{prompt_len + limit} tokens ({prompt_len} in the prompt, {limit} for the completion). "
+                "Please reduce the prompt or the completion length.",
+                "max_tokens",
+                "context_length_exceeded",
+            )
+        if limit is None:  # as much as the context (and the pool) leaves
+            limit = max(1, min(context, engine.pool_tokens) - prompt_len)
+        try:
+            return SamplingParams(
+                max_tokens=limit,
+                temperature=1.0 if body.temperature is None else body.temperature,
+                top_p=1.0 if body.top_p is None else body.top_p,
+                top_k=max(0, body.top_k or 0),
+                seed=body.seed,
+                stop=body.stop_strings(),
+                ignore_eos=body.ignore_eos,
+                logprobs=logprobs,
+            )
+        except ValueError as exc:
+            raise bad_request(str(exc)) from exc
+
+    async def submit(self, job: Job) -> RequestStream:
+        engine = self.serving()
+        try:
+            return await engine.add_request(job.prompt_ids, job.params, job.adapter, job.tenant)
+        except QueueFull as exc:
+            raise OpenAIError(
+                429,
+                str(exc),
+                "rate_limit_exceeded",
+                "queue_full",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            ) from exc
+        except UnknownAdapter as exc:
+            raise OpenAIError(
+                404, f"The model `{job.model}` does not exist.", "invalid_request_error", "model_not_found"
+            ) from exc
+        except AdapterUnavailable as exc:
+            raise OpenAIError(
+                422, f"adapter {job.model!r}: {exc}", "invalid_request_error", "adapter_unavailable"
+            ) from exc
+        except ValueError as exc:  # the engine's own checks (pool size, vocabulary) name the limit
+            raise bad_request(str(exc)) from exc
+        except EngineUnavailable as exc:
+            raise OpenAIError(
+                503, str(exc), "server_error", "not_ready", headers={"Retry-After": str(RETRY_AFTER_S)}
+            ) from exc
+
+
+def create_app(
+    settings: ServerSettings | None = None,
+    engine_factory: Callable[[], LLMEngine] | None = None,
+    on_fatal: Callable[[str], None] | None = None,
+) -> FastAPI:
+    """The server app. `engine_factory` builds the engine (default: from `settings`); `on_fatal` is
+    told when the model or a start adapter fails to load (the CLI exits then)."""
+    settings = settings or ServerSettings()
+    metrics = ServerMetrics(settings.tenant_label_limit)
+    state = ServerState(settings, metrics, on_fatal)
+
+    def default_factory() -> LLMEngine:
+        from loraplex.engine.engine import LLMEngine
+
+        return LLMEngine(settings.engine_config())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        booting = asyncio.create_task(state.boot(engine_factory or default_factory))
+        try:
+            yield
+        finally:
+            state.draining = True
+            booting.cancel()
+            if state.engine is not None:
+                await state.engine.stop()
+
+    app = FastAPI(title="loraplex engine", version="1", lifespan=lifespan)
+    app.state.server = state
+    _install_error_handlers(app)
+    _add_probe_routes(app, state)
+    _add_generation_routes(app, state)
+    _add_adapter_routes(app, state)
+    return app
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    async def openai_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, OpenAIError)
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    async def validation_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, RequestValidationError)
+        errors = exc.errors()
+        first = errors[0] if errors else {"msg": "invalid request", "loc": ()}
+        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        message = f"{where}: {first.get('msg')}" if where else str(first.get("msg"))
+        return JSONResponse(protocol.error_body(message, "invalid_request_error", param=where or None), 400)
+
+    app.add_exception_handler(OpenAIError, openai_error)
+    app.add_exception_handler(RequestValidationError, validation_error)
+
+
+def _add_probe_routes(app: FastAPI, state: ServerState) -> None:
+    @app.get("/health")
+    async def health() -> Response:
+        # Alive, also while loading or draining; a stopped engine loop will not come back, so the
+        # process is reported dead and the liveness probe restarts it.
+        if state.engine is not None and state.engine.dead is not None:
+            return JSONResponse({"status": "dead", "reason": state.not_ready_reason()}, 503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/ready")
+    async def ready() -> Response:
+        if state.ready:
+            return JSONResponse({"status": "ready"})
+        return JSONResponse({"status": "not ready", "reason": state.not_ready_reason()}, 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        engine = state.serving()
+        base = state.settings.model_name
+
+        def entry(name: str, parent: str | None) -> dict[str, Any]:
+            return {
+                "id": name,
+                "object": "model",
+                "created": state.created,
+                "owned_by": "loraplex",
+                "root": base,
+                "parent": parent,
+            }
+
+        adapters = sorted(n for n in engine.adapters if not n.startswith(GATEWAY_ADAPTER_PREFIX))
+        return {"object": "list", "data": [entry(base, None), *(entry(n, base) for n in adapters)]}
+
+
+def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
+    @app.post("/v1/completions", response_model=None)
+    async def completions(body: protocol.CompletionRequest, request: Request) -> Response:
+        caller = state.caller(request)
+        body.refuse_unsupported()
+        engine = state.serving()
+        adapter = await state.adapter_for(request, body.model, caller)
+        prompt = body.single_prompt()
+        tokenizer = engine.tokenizer
+        if isinstance(prompt, str):
+            if tokenizer is None:
+                raise bad_request("this model has no tokenizer: send the prompt as token ids", "prompt")
+            ids = await asyncio.to_thread(tokenizer.encode, prompt)
+        else:
+            ids = prompt
+        params = state.params(body, len(ids), body.max_tokens, body.logprobs)
+        job = Job(False, body.model, adapter, ids, params, body.stream, body.include_usage, caller.tenant)
+        return await _run(state, job, request)
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(body: protocol.ChatCompletionRequest, request: Request) -> Response:
+        caller = state.caller(request)
+        body.refuse_unsupported()
+        engine = state.serving()
+        adapter = await state.adapter_for(request, body.model, caller)
+        tokenizer = engine.tokenizer
+        if tokenizer is None:
+            raise bad_request("this model has no tokenizer, so it has no chat template", "messages")
+        try:
+            ids = await asyncio.to_thread(tokenizer.encode_chat, body.template_messages())
+        except OpenAIError:
+            raise
+        except Exception as exc:  # the template refused the conversation, or the tokenizer did
+            raise bad_request(f"messages: {exc}", "messages") from exc
+        params = state.params(body, len(ids), body.token_limit, body.logprobs_wanted)
+        job = Job(True, body.model, adapter, ids, params, body.stream, body.include_usage, caller.tenant)
+        return await _run(state, job, request)
+
+
+async def _run(state: ServerState, job: Job, request: Request) -> Response:
+    engine = state.serving()
+    stream = await state.submit(job)
+    tokenizer = engine.tokenizer
+
+    def text_of(token_id: int) -> str:
+        return tokenizer.decode([token_id], skip_special_tokens=False) if tokenizer else str(token_id)
+
+    delivery = Delivery(job, text_of)
+    handed_over = False
+    try:
+        try:
+            if job.stream:
+                first = await unless_disconnected(request, stream.next())
+            else:
+                first = await unless_disconnected(request, last_output(stream))
+        except ClientGone:
+            return Response(status_code=499)
+        except OpenAIError:
+            raise
+        except Exception as exc:
+            raise failure(exc) from exc
+        broken = output_failure(first, job)
+        if broken is not None:
+            raise broken
+        if not job.stream:
+            return JSONResponse(delivery.whole(first))
+        handed_over = True
+        return AbortingStreamingResponse(delivery.events(first, stream), stream, engine)
+    finally:
+        if not handed_over and not stream.done:
+            engine.abort(stream.request_id)
+
+
+def _add_adapter_routes(app: FastAPI, state: ServerState) -> None:
+    @app.get("/internal/adapters")
+    async def list_adapters(request: Request) -> dict[str, Any]:
+        state.require_internal(request)
+        engine = state.serving()
+
+        def describe(llm: LLMEngine) -> list[dict[str, Any]]:
+            residency = llm.adapters
+            return [
+                {
+                    "name": name,
+                    "sha256": entry.manifest.sha256,
+                    "resident": name in residency.resident,
+                    "failed": residency.failed.get(name),
+                }
+                for name, entry in sorted(residency.registered.items())
+            ]
+
+        return {"object": "list", "data": await engine.call(describe)}
+
+    @app.post("/internal/adapters", status_code=201)
+    async def register_adapter(body: protocol.AdapterRegistration, request: Request) -> dict[str, Any]:
+        state.require_internal(request)
+        engine = state.serving()
+        if state.is_base_model(body.name):
+            raise bad_request(f"{body.name!r} is the base model's name; pick another adapter name", "name")
+        manifest = await state.register(engine, body.name, body.uri, body.sha256)
+        return {"name": body.name, "sha256": manifest.sha256, "registered": True}
+
+    @app.delete("/internal/adapters/{name:path}")
+    async def unregister_adapter(name: str, request: Request) -> dict[str, Any]:
+        state.require_internal(request)
+        engine = state.serving()
+        try:
+            await engine.unregister_adapter(name)
+        except UnknownAdapter as exc:
+            raise OpenAIError(
+                404, f"adapter {name!r} is not registered", "invalid_request_error", "adapter_not_found"
+            ) from exc
+        except AdapterError as exc:  # in use by running requests
+            raise OpenAIError(409, str(exc), "invalid_request_error", "adapter_in_use") from exc
+        log.info("unregistered adapter %s", name)
+        return {"name": name, "deleted": True}

@@ -1,0 +1,457 @@
+"""The engine loop: one thread owns the LLMEngine; asyncio code talks to it by posting commands.
+
+The engine is not thread-safe, so everything that touches it (adding, aborting, registering, stepping)
+runs on the loop thread, in the order it was posted. While requests are unfinished the thread steps
+the engine back to back; when idle it sleeps on an event that every post sets. Outputs go back to the
+asyncio loop with `call_soon_threadsafe`, one hop per step for all requests touched, into per-request
+queues that the HTTP handlers read.
+
+Failure handling: a step that raises fails the requests it was running (their callers get a
+StepFailed, their pages are freed) and the loop carries on; several failures in a row make it
+not ready (until a step succeeds), and an error in the loop's own bookkeeping stops it for good
+(`dead`), so /ready and /health tell the truth.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from loraplex.adapters import AdapterError, AdapterManifest, fetch_local
+
+from .metrics import ServerMetrics
+
+if TYPE_CHECKING:
+    from loraplex.engine.engine import LLMEngine
+    from loraplex.engine.request import RequestOutput
+    from loraplex.engine.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+# Steps failing one after another with nothing succeeding in between: the engine is broken, not a request.
+UNHEALTHY_AFTER_FAILURES = 3
+
+
+class EngineUnavailable(RuntimeError):
+    """The loop is not running (still loading, stopped, or dead): retry on another replica."""
+
+
+class QueueFull(RuntimeError):
+    def __init__(self, waiting: int, limit: int):
+        super().__init__(f"{waiting} requests are already waiting (the limit is {limit}); retry shortly")
+
+
+class StepFailed(RuntimeError):
+    """The engine raised while running this request; the request was ended and its pages freed."""
+
+
+class UnknownAdapter(LookupError):
+    pass
+
+
+class AdapterUnavailable(AdapterError):
+    """The adapter is registered but its weights could not be loaded."""
+
+
+class AdapterFetchFailed(AdapterError):
+    """Nothing usable at the adapter's URI (as opposed to something there that fails validation)."""
+
+
+class RequestStream:
+    """The asyncio side of one request: its outputs in order, the last one finished (or an error)."""
+
+    def __init__(self, request_id: str):
+        self.request_id = request_id
+        self.done = False
+        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        self._queue.put_nowait(item)
+
+    async def next(self) -> RequestOutput:
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self.done = True
+            raise item
+        if item.finished:
+            self.done = True
+        return item
+
+
+@dataclass
+class _Tracked:
+    stream: RequestStream
+    tenant: str | None
+    arrival: float
+    tokens_seen: int = 0
+    last_token_at: float | None = None
+
+
+class AsyncEngine:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        metrics: ServerMetrics | None = None,
+        max_queue: int = 256,
+        publish_interval_s: float = 0.05,
+    ):
+        self.engine = engine
+        self.metrics = metrics or ServerMetrics()
+        self.max_queue = max_queue
+        self.publish_interval_s = publish_interval_s
+        self.base_shape = engine.adapters.base
+        self.max_model_len = engine.max_model_len
+        self.tokenizer = engine.tokenizer
+        self.pool_tokens = (engine.pool.num_pages - 1) * engine.config.page_size  # less the zero page
+        # Read by the event loop, written by the loop thread: plain values swapped whole.
+        self.adapters: dict[str, str] = {}  # registered name -> weights sha256
+        self.failed_adapters: dict[str, str] = {}  # name -> why it cannot be loaded
+        self.waiting = 0
+        self.running = 0
+        self.dead: str | None = None
+        # Each command with the future its poster awaits (settled with an error if it never runs).
+        self._commands: queue.SimpleQueue[tuple[Callable[[], None], asyncio.Future[Any] | None]] = (
+            queue.SimpleQueue()
+        )
+        self._closed = False  # the loop thread has exited: posts are refused at once
+        self._post_lock = threading.Lock()
+        self._wake = threading.Event()
+        self._pending_adds = 0  # posted, not yet handed to the engine: waiting, too
+        self._pending_lock = threading.Lock()
+        self._tracked: dict[str, _Tracked] = {}
+        self._stopping = False
+        self._consecutive_failures = 0
+        self._last_publish = 0.0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+
+    # -- lifecycle --------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the loop thread; call from the asyncio loop that will read the outputs."""
+        self._loop = asyncio.get_running_loop()
+        self._refresh_adapters()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    @property
+    def accepting(self) -> bool:
+        """The loop runs and takes requests."""
+        return (
+            self._thread is not None and self._thread.is_alive() and not self._stopping and self.dead is None
+        )
+
+    @property
+    def ready(self) -> bool:
+        """Accepting, and the last steps did not all fail. Requests are still accepted while steps
+        fail (one that succeeds clears the record); readiness only steers traffic elsewhere."""
+        return self.accepting and self._consecutive_failures < UNHEALTHY_AFTER_FAILURES
+
+    @property
+    def not_ready_reason(self) -> str:
+        if self._thread is None:
+            return "the engine loop has not started"
+        if self.dead is not None:
+            return f"the engine loop stopped: {self.dead}"
+        if self._stopping or not self._thread.is_alive():
+            return "the engine loop is shutting down"
+        return f"the last {self._consecutive_failures} engine steps failed"
+
+    async def stop(self, timeout_s: float = 10.0) -> None:
+        """End the loop: requests still in it are aborted and their callers told the server is going."""
+        self._stopping = True
+        self._wake.set()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, timeout_s)
+
+    # -- what the HTTP side calls -----------------------------------------------------------------
+
+    async def add_request(
+        self,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        adapter: str | None = None,
+        tenant: str | None = None,
+    ) -> RequestStream:
+        """Queue a request; returns once the engine accepted it (ValueError names what it refused)."""
+        if not self.accepting:
+            raise EngineUnavailable(self.not_ready_reason)
+        with self._pending_lock:
+            waiting = self.waiting + self._pending_adds
+            if waiting >= self.max_queue:
+                self.metrics.requests_rejected.labels("queue_full").inc()
+                raise QueueFull(waiting, self.max_queue)
+            self._pending_adds += 1
+        stream = RequestStream(f"req-{uuid.uuid4().hex}")
+        accepted = self._future()
+        ids, arrival = list(prompt_token_ids), time.monotonic()
+        self._post(lambda: self._add(stream, ids, params, adapter, tenant, arrival, accepted), accepted)
+        try:
+            await accepted
+        except asyncio.CancelledError:
+            self.abort(stream.request_id)  # the add may already have happened: undo it
+            raise
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """End a request whose caller went away (safe to call for finished or unknown ids)."""
+        self._post(lambda: self._abort(request_id))
+
+    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
+        """Run `fn(engine)` on the loop thread, between steps, and return what it returns."""
+        if self._thread is None or not self._thread.is_alive():
+            raise EngineUnavailable(self.not_ready_reason)
+        done = self._future()
+
+        def run() -> None:
+            outcome: Any
+            try:
+                outcome = fn(self.engine)
+            except Exception as exc:
+                outcome = exc
+            # Before the caller resumes, so what it reads next already shows what `fn` changed.
+            self._refresh_adapters()
+            self._resolve(done, outcome)
+
+        self._post(run, done)
+        result: T = await done
+        return result
+
+    async def register_adapter(self, name: str, uri: str, sha256: str | None = None) -> AdapterManifest:
+        """Fetch, hash and validate off the loop (disk reads and hashing take a while), then register.
+        AdapterFetchFailed: nothing usable at `uri`; AdapterError: what is there is refused."""
+        from loraplex.engine.lora.sources import DirectorySource
+
+        try:
+            directory = await asyncio.to_thread(fetch_local, uri)
+        except AdapterError as exc:
+            raise AdapterFetchFailed(str(exc)) from exc
+        source = await asyncio.to_thread(DirectorySource.open, directory, self.base_shape, sha256)
+        return await self.call(lambda engine: engine.register_adapter(name, source))
+
+    async def unregister_adapter(self, name: str) -> None:
+        def unregister(engine: LLMEngine) -> None:
+            if name not in engine.adapters.registered:
+                raise UnknownAdapter(name)
+            engine.unregister_adapter(name)
+
+        await self.call(unregister)
+
+    # -- plumbing between the threads -------------------------------------------------------------
+
+    def _future(self) -> asyncio.Future[Any]:
+        assert self._loop is not None, "start() the engine loop first"
+        return self._loop.create_future()
+
+    def _post(self, command: Callable[[], None], future: asyncio.Future[Any] | None = None) -> None:
+        with self._post_lock:
+            if self._closed:
+                if future is not None and not future.done():
+                    future.set_exception(EngineUnavailable(self.not_ready_reason))
+                return
+            self._commands.put((command, future))
+        self._wake.set()
+
+    def _resolve(self, future: asyncio.Future[Any], outcome: Any) -> None:
+        """Settle an asyncio future from the loop thread (a BaseException outcome is raised there)."""
+
+        def settle() -> None:
+            if future.done():  # its awaiter was cancelled
+                return
+            if isinstance(outcome, BaseException):
+                future.set_exception(outcome)
+            else:
+                future.set_result(outcome)
+
+        assert self._loop is not None
+        with contextlib.suppress(RuntimeError):  # the asyncio loop is closed: nobody is waiting any more
+            self._loop.call_soon_threadsafe(settle)
+
+    def _deliver(self, items: list[tuple[RequestStream, RequestOutput | BaseException]]) -> None:
+        if not items:
+            return
+
+        def put_all() -> None:
+            for stream, item in items:
+                stream.put(item)
+
+        assert self._loop is not None
+        with contextlib.suppress(RuntimeError):  # the asyncio loop is closed: nobody is listening any more
+            self._loop.call_soon_threadsafe(put_all)
+
+    # -- the loop thread ----------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while True:
+                self._wake.clear()
+                self._run_commands()
+                if self._stopping:
+                    self._end_all(EngineUnavailable("the server is shutting down"))
+                    return
+                if self.engine.has_unfinished():
+                    self._step()
+                    self._publish()
+                else:
+                    self._publish(force=True)
+                    self._wake.wait()
+        except BaseException as exc:  # a bug in the loop itself: say so, and fail everyone honestly
+            log.exception("the engine loop stopped")
+            self.dead = f"{type(exc).__name__}: {exc}"
+            self._end_all(EngineUnavailable(f"the engine loop stopped: {self.dead}"))
+
+    def _run_commands(self) -> None:
+        while True:
+            try:
+                command, _ = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            command()
+
+    def _add(
+        self,
+        stream: RequestStream,
+        ids: list[int],
+        params: SamplingParams,
+        adapter: str | None,
+        tenant: str | None,
+        arrival: float,
+        accepted: asyncio.Future[None],
+    ) -> None:
+        with self._pending_lock:
+            self._pending_adds -= 1
+        engine = self.engine
+        try:
+            if adapter is not None and adapter not in engine.adapters.registered:
+                raise UnknownAdapter(adapter)
+            if adapter is not None and adapter in engine.adapters.failed:
+                raise AdapterUnavailable(f"adapter cannot be served: {engine.adapters.failed[adapter]}")
+            engine.add_request(ids, params, request_id=stream.request_id, adapter=adapter)
+        except Exception as exc:
+            self._resolve(accepted, exc)
+            return
+        self._tracked[stream.request_id] = _Tracked(stream, tenant, arrival)
+        self.metrics.count_prompt(tenant, len(ids))
+        self.waiting = len(engine.scheduler.waiting)
+        self._resolve(accepted, None)
+
+    def _abort(self, request_id: str) -> None:
+        tracked = self._tracked.pop(request_id, None)
+        if tracked is None:
+            return
+        self.engine.abort(request_id)
+        self._ended(tracked, "abort")
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:
+            self._step_failed(exc)
+            return
+        self._consecutive_failures = 0
+        now = time.monotonic()
+        deliveries: list[tuple[RequestStream, RequestOutput | BaseException]] = []
+        for output in outputs:
+            tracked = self._tracked.get(output.request_id)
+            if tracked is None:  # aborted in the meantime
+                continue
+            self._count_tokens(tracked, len(output.token_ids), now)
+            deliveries.append((tracked.stream, output))
+            if output.finished:
+                del self._tracked[output.request_id]
+                self._ended(tracked, output.finish_reason or "stop", now)
+        self._deliver(deliveries)
+
+    def _count_tokens(self, tracked: _Tracked, total: int, now: float) -> None:
+        new = total - tracked.tokens_seen
+        if new <= 0:
+            return
+        metrics = self.metrics
+        if tracked.last_token_at is None:
+            metrics.time_to_first_token.observe(now - tracked.arrival)
+        else:
+            gap = (now - tracked.last_token_at) / new
+            for _ in range(new):
+                metrics.inter_token_latency.observe(gap)
+        tracked.tokens_seen, tracked.last_token_at = total, now
+        metrics.count_generated(tracked.tenant, new)
+
+    def _ended(self, tracked: _Tracked, reason: str, now: float | None = None) -> None:
+        self.metrics.e2e_latency.observe((now or time.monotonic()) - tracked.arrival)
+        self.metrics.requests_finished.labels(reason).inc()
+
+    def _step_failed(self, exc: Exception) -> None:
+        """Fail the requests the step was running (or, with none running, those it could not admit)."""
+        log.exception("an engine step failed; failing the requests in it")
+        self.metrics.step_errors.inc()
+        self._consecutive_failures += 1
+        scheduler = self.engine.scheduler
+        affected = [r.request_id for r in (scheduler.running or scheduler.waiting)]
+        error = StepFailed(f"the engine failed while running this request: {type(exc).__name__}: {exc}")
+        deliveries: list[tuple[RequestStream, RequestOutput | BaseException]] = []
+        for request_id in affected:
+            self.engine.abort(request_id)  # if this raises too, the loop is beyond repair (see _run)
+            tracked = self._tracked.pop(request_id, None)
+            if tracked is not None:
+                deliveries.append((tracked.stream, error))
+                self._ended(tracked, "error")
+        self._deliver(deliveries)
+
+    def _end_all(self, error: BaseException) -> None:
+        deliveries: list[tuple[RequestStream, RequestOutput | BaseException]] = []
+        for request_id, tracked in list(self._tracked.items()):
+            try:
+                self.engine.abort(request_id)
+            except Exception:
+                log.exception("could not abort %s", request_id)
+            deliveries.append((tracked.stream, error))
+            self._ended(tracked, "abort")
+        self._tracked.clear()
+        self._deliver(deliveries)
+        # Whatever is still posted will never run: settle the futures waiting on it.
+        with self._post_lock:
+            self._closed = True
+        while True:
+            try:
+                _, future = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if future is not None:
+                self._resolve(future, EngineUnavailable("the engine loop stopped before running this"))
+
+    def _refresh_adapters(self) -> None:
+        residency = self.engine.adapters
+        self.adapters = {name: entry.manifest.sha256 for name, entry in residency.registered.items()}
+        self.failed_adapters = dict(residency.failed)
+
+    def _publish(self, force: bool = False) -> None:
+        scheduler = self.engine.scheduler
+        self.waiting, self.running = len(scheduler.waiting), len(scheduler.running)
+        metrics = self.metrics
+        metrics.observe_queue(self.waiting + self._pending_adds, self.running)
+        now = time.monotonic()
+        if not force and now - self._last_publish < self.publish_interval_s:
+            return
+        self._last_publish = now
+        pool = self.engine.pool
+        metrics.observe_pool(pool.pages_by_kind(), pool.num_pages)
+        residency = self.engine.adapters
+        stats = residency.stats
+        metrics.observe_adapters(
+            len(residency.registered),
+            len(residency.resident),
+            stats.loads,
+            stats.evictions,
+            stats.load_seconds,
+        )
+        if len(residency.failed) != len(self.failed_adapters):
+            self._refresh_adapters()

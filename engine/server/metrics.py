@@ -1,0 +1,158 @@
+"""The server's Prometheus series, all named loraplex_*, in a registry of their own.
+
+A registry per app (not prometheus-client's global one) lets several servers live in one process, as
+the tests run them. The operator autoscales on three gauges whose names are a contract
+(operator/metrics.py): loraplex_requests_waiting, loraplex_requests_running, loraplex_pool_utilization.
+
+Engine-side figures are read by the engine thread (the only one allowed to touch the engine) and
+pushed here; prometheus-client's metrics are thread-safe, so /metrics reads them from the event loop.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+# Seconds: CPU decode steps take tens of milliseconds, GPU steps a few; long tails reach minutes.
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
+OTHER_TENANTS = "other"
+NO_TENANT = "none"
+
+
+class TenantLabels:
+    """Bounded label cardinality: the first `limit` tenants seen get their own label, the rest share
+    `other`, so a flood of tenants cannot grow the series count without bound."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self._known: set[str] = set()
+        self._lock = threading.Lock()
+
+    def label(self, tenant: str | None) -> str:
+        if not tenant:
+            return NO_TENANT
+        with self._lock:
+            if tenant in self._known:
+                return tenant
+            if len(self._known) < self.limit:
+                self._known.add(tenant)
+                return tenant
+        return OTHER_TENANTS
+
+
+class ServerMetrics:
+    def __init__(self, tenant_label_limit: int = 64, registry: CollectorRegistry | None = None):
+        self.registry = r = registry or CollectorRegistry()
+        self.tenants = TenantLabels(tenant_label_limit)
+
+        self.requests_waiting = Gauge(
+            "loraplex_requests_waiting", "Requests admitted but not yet scheduled.", registry=r
+        )
+        self.requests_running = Gauge(
+            "loraplex_requests_running", "Requests in the running batch.", registry=r
+        )
+        self.pool_utilization = Gauge(
+            "loraplex_pool_utilization",
+            "Pages of the device pool not free, as a fraction (0..1).",
+            registry=r,
+        )
+        self.pool_pages = Gauge("loraplex_pool_pages", "Pool pages by what holds them.", ["kind"], registry=r)
+        self.pool_pages_total = Gauge("loraplex_pool_pages_total", "Pages in the device pool.", registry=r)
+        self.adapters_resident = Gauge(
+            "loraplex_adapters_resident", "Adapters in the device pool.", registry=r
+        )
+        self.adapters_registered = Gauge(
+            "loraplex_adapters_registered", "Adapters this server can serve.", registry=r
+        )
+        self.adapter_loads = Counter("loraplex_adapter_loads", "Adapter copies into the pool.", registry=r)
+        self.adapter_evictions = Counter(
+            "loraplex_adapter_evictions", "Adapters evicted from the pool.", registry=r
+        )
+        self.adapter_load_seconds = Counter(
+            "loraplex_adapter_load_seconds", "Time spent making adapters resident.", registry=r
+        )
+        self.adapter_registrations = Counter(
+            "loraplex_adapter_registrations", "Adapter registrations by outcome.", ["outcome"], registry=r
+        )
+        self.prompt_tokens = Counter("loraplex_prompt_tokens", "Prompt tokens admitted.", registry=r)
+        self.generation_tokens = Counter("loraplex_generation_tokens", "Tokens generated.", registry=r)
+        self.tenant_prompt_tokens = Counter(
+            "loraplex_tenant_prompt_tokens", "Prompt tokens admitted, by tenant.", ["tenant"], registry=r
+        )
+        self.tenant_generation_tokens = Counter(
+            "loraplex_tenant_generation_tokens", "Tokens generated, by tenant.", ["tenant"], registry=r
+        )
+        self.time_to_first_token = Histogram(
+            "loraplex_time_to_first_token_seconds",
+            "From a request's arrival to its first generated token.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.inter_token_latency = Histogram(
+            "loraplex_inter_token_latency_seconds",
+            "Between consecutive generated tokens of a request.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e_latency = Histogram(
+            "loraplex_e2e_request_latency_seconds",
+            "From a request's arrival to its end.",
+            buckets=_E2E_BUCKETS,
+            registry=r,
+        )
+        self.requests_finished = Counter(
+            "loraplex_requests_finished", "Requests ended, by finish reason.", ["finish_reason"], registry=r
+        )
+        self.requests_rejected = Counter(
+            "loraplex_requests_rejected",
+            "Requests refused before reaching the engine.",
+            ["reason"],
+            registry=r,
+        )
+        self.step_errors = Counter("loraplex_engine_step_errors", "Engine steps that raised.", registry=r)
+        # Known label values exist from the start at 0, so a rate() over them has a beginning.
+        for outcome in ("ok", "fetch_failed", "invalid"):
+            self.adapter_registrations.labels(outcome)
+        for reason in ("stop", "length", "abort", "error"):
+            self.requests_finished.labels(reason)
+        self.requests_rejected.labels("queue_full")
+        self._engine_stats: dict[str, float] = {}
+
+    def observe_pool(self, pages_by_kind: Mapping[str, int], num_pages: int) -> None:
+        for kind in ("kv", "adapter", "free", "reserved"):
+            self.pool_pages.labels(kind).set(pages_by_kind.get(kind, 0))
+        self.pool_pages_total.set(num_pages)
+        self.pool_utilization.set(
+            (num_pages - pages_by_kind.get("free", 0)) / num_pages if num_pages else 0.0
+        )
+
+    def observe_queue(self, waiting: int, running: int) -> None:
+        self.requests_waiting.set(waiting)
+        self.requests_running.set(running)
+
+    def observe_adapters(
+        self, registered: int, resident: int, loads: int, evictions: int, load_seconds: float
+    ) -> None:
+        self.adapters_registered.set(registered)
+        self.adapters_resident.set(resident)
+        # The engine keeps running totals; the counters take what was added since the last look.
+        for counter, key, value in (
+            (self.adapter_loads, "loads", float(loads)),
+            (self.adapter_evictions, "evictions", float(evictions)),
+            (self.adapter_load_seconds, "load_seconds", load_seconds),
+        ):
+            previous = self._engine_stats.get(key, 0.0)
+            if value > previous:
+                counter.inc(value - previous)
+            self._engine_stats[key] = value
+
+    def count_prompt(self, tenant: str | None, tokens: int) -> None:
+        self.prompt_tokens.inc(tokens)
+        self.tenant_prompt_tokens.labels(self.tenants.label(tenant)).inc(tokens)
+
+    def count_generated(self, tenant: str | None, tokens: int) -> None:
+        self.generation_tokens.inc(tokens)
+        self.tenant_generation_tokens.labels(self.tenants.label(tenant)).inc(tokens)

@@ -1,0 +1,359 @@
+"""OpenAI's API shapes: request bodies as pydantic models, responses and stream chunks as builders.
+
+Field names, nesting and `object` values follow OpenAI's API exactly, so its client libraries (and the
+control plane's gateway, which reads `usage` from the final chunk) work unchanged. Parameters this
+engine cannot honour are refused with a 400 naming them rather than silently ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+if TYPE_CHECKING:
+    from loraplex.engine.request import TokenLogprob
+
+MAX_LOGPROBS = 20
+# JSON has no -inf; OpenAI reports impossible tokens at this floor too.
+LOGPROB_FLOOR = -9999.0
+
+
+class OpenAIError(Exception):
+    """Answered as OpenAI's error JSON: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        kind: str = "invalid_request_error",
+        code: str | None = None,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
+        super().__init__(message)
+        self.status, self.message, self.kind = status, message, kind
+        self.code, self.param, self.headers = code, param, headers
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.kind, self.code, self.param)
+
+
+def error_body(message: str, kind: str, code: str | None = None, param: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> OpenAIError:
+    return OpenAIError(400, message, "invalid_request_error", code, param)
+
+
+# -- requests ---------------------------------------------------------------------------------------
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False
+
+
+class _GenerationRequest(BaseModel):
+    # Unknown fields (user, metadata, store, ...) are ignored, as OpenAI ignores what does not apply.
+    model_config = ConfigDict(extra="ignore")
+
+    model: str = Field(min_length=1, max_length=512)
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=-1, description="0 or -1: no limit (an extension, as in vLLM)")
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
+    stop: str | list[str] | None = None
+    n: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False  # an extension (vLLM's): generate exactly max_tokens
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def stop_strings(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    def refuse_unsupported(self) -> None:
+        if self.n not in (None, 1):
+            raise bad_request(f"n={self.n} is not supported: this server returns one choice (n=1)", "n")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                raise bad_request(f"{name} is not supported by this server; leave it at 0", name)
+        if self.logit_bias:
+            raise bad_request("logit_bias is not supported by this server", "logit_bias")
+        if self.stream_options is not None and not self.stream:
+            raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+
+
+class CompletionRequest(_GenerationRequest):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def refuse_unsupported(self) -> None:
+        super().refuse_unsupported()
+        if self.echo:
+            raise bad_request("echo is not supported by this server", "echo")
+        if self.suffix:
+            raise bad_request("suffix is not supported by this server", "suffix")
+        if self.best_of not in (None, 1):
+            raise bad_request(f"best_of={self.best_of} is not supported: only 1", "best_of")
+
+    def single_prompt(self) -> str | list[int]:
+        """The one prompt of this request: a text or token ids (batches of prompts are refused)."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return prompt
+        if not prompt:
+            raise bad_request("prompt is empty", "prompt")
+        if isinstance(prompt[0], int):
+            return [int(t) for t in prompt]
+        if len(prompt) != 1:
+            raise bad_request(
+                f"prompt holds {len(prompt)} prompts; this server takes one prompt per request", "prompt"
+            )
+        first = prompt[0]
+        return first if isinstance(first, str) else [int(t) for t in first]
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: str = Field(min_length=1)
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+    def for_template(self, index: int) -> dict[str, Any]:
+        """The message as a chat template expects it: role and plain-text content."""
+        content = self.content
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise bad_request(
+                        f"messages[{index}].content: only text parts are supported, got {part.get('type')!r}",
+                        f"messages[{index}].content",
+                    )
+                texts.append(part["text"])
+            content = "".join(texts)
+        role = "system" if self.role == "developer" else self.role
+        return {"role": role, "content": content or ""}
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    tools: list[Any] | None = None
+    functions: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def refuse_unsupported(self) -> None:
+        super().refuse_unsupported()
+        if self.tools or self.functions:
+            raise bad_request("tools and functions are not supported by this server", "tools")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise bad_request("only response_format {'type': 'text'} is supported", "response_format")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
+
+    @property
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def logprobs_wanted(self) -> int | None:
+        """How many alternatives per token the engine should report (None: no logprobs at all)."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        return [m.for_template(i) for i, m in enumerate(self.messages)]
+
+
+class AdapterRegistration(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(min_length=1, max_length=512)
+    uri: str = Field(min_length=1, max_length=4096)
+    sha256: str | None = Field(default=None, pattern=r"^[0-9a-fA-F]{64}$")
+
+
+# -- responses ----------------------------------------------------------------------------------------
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def finish_reason(reason: str | None) -> str | None:
+    """OpenAI knows stop and length; an aborted request reads as stopped."""
+    if reason is None:
+        return None
+    return "length" if reason == "length" else "stop"
+
+
+def _logprob(value: float) -> float:
+    return value if math.isfinite(value) else LOGPROB_FLOOR
+
+
+TokenText = Callable[[int], str]
+
+
+def chat_logprobs(entries: Sequence[TokenLogprob], text_of: TokenText) -> dict[str, Any]:
+    def item(token_id: int, logprob: float) -> dict[str, Any]:
+        text = text_of(token_id)
+        return {"token": text, "logprob": _logprob(logprob), "bytes": list(text.encode())}
+
+    content = [
+        {**item(e.token_id, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]} for e in entries
+    ]
+    return {"content": content, "refusal": None}
+
+
+def completion_logprobs(
+    entries: Sequence[TokenLogprob], text_of: TokenText, offset: int = 0
+) -> tuple[dict[str, Any], int]:
+    """The legacy completions logprobs object, and the text offset after its tokens."""
+    tokens, token_logprobs, top, offsets = [], [], [], []
+    for entry in entries:
+        text = text_of(entry.token_id)
+        tokens.append(text)
+        token_logprobs.append(_logprob(entry.logprob))
+        top.append({text_of(t): _logprob(lp) for t, lp in entry.top})
+        offsets.append(offset)
+        offset += len(text)
+    body = {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+    return body, offset
+
+
+def completion_response(
+    request_id: str,
+    model: str,
+    text: str,
+    reason: str | None,
+    counted: dict[str, int],
+    logprobs: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    return {
+        "id": request_id,
+        "object": "text_completion",
+        "created": now(),
+        "model": model,
+        "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason(reason)}],
+        "usage": counted,
+    }
+
+
+def chat_response(
+    request_id: str,
+    model: str,
+    text: str,
+    reason: str | None,
+    counted: dict[str, int],
+    logprobs: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    return {
+        "id": request_id,
+        "object": "chat.completion",
+        "created": now(),
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": text, "refusal": None},
+                "logprobs": logprobs,
+                "finish_reason": finish_reason(reason),
+            }
+        ],
+        "usage": counted,
+    }
+
+
+class ChunkMaker:
+    """Stream chunks of one response: same id, created and model in each, `usage: null` on every
+    chunk but the last when the client asked for usage (as OpenAI does)."""
+
+    def __init__(self, chat: bool, model: str, include_usage: bool):
+        self.chat, self.model, self.include_usage = chat, model, include_usage
+        self.id = new_id("chatcmpl" if chat else "cmpl")
+        self.created = now()
+        self.object = "chat.completion.chunk" if chat else "text_completion"
+
+    def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        chunk: dict[str, Any] = {
+            "id": self.id,
+            "object": self.object,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+        if self.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    def role(self) -> dict[str, Any]:
+        """Chat streams open with the assistant role and empty content."""
+        return self._chunk(
+            [
+                {
+                    "index": 0,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
+            ]
+        )
+
+    def text(
+        self, text: str, logprobs: dict[str, Any] | None = None, reason: str | None = None
+    ) -> dict[str, Any]:
+        choice: dict[str, Any]
+        if self.chat:
+            delta = {"content": text} if text or reason is None else {}
+            choice = {
+                "index": 0,
+                "delta": delta,
+                "logprobs": logprobs,
+                "finish_reason": finish_reason(reason),
+            }
+        else:
+            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason(reason)}
+        return self._chunk([choice])
+
+    def usage(self, counted: dict[str, int]) -> dict[str, Any]:
+        return {**self._chunk([]), "usage": counted}
+
+
+def sse(event: dict[str, Any]) -> bytes:
+    return f"data: {json.dumps(event, ensure_ascii=False, separators=(',', ':'))}\n\n".encode()
+
+
+SSE_DONE = b"data: [DONE]\n\n"

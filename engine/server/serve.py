@@ -1,0 +1,69 @@
+"""Run the server under uvicorn until a signal: `loraplex serve` ends here.
+
+SIGTERM (what Kubernetes sends) drains: /ready turns 503 at once so the endpoint leaves the Service,
+the listening socket closes, running requests finish (for at most `drain_timeout_s`; then they are
+cancelled, which aborts them in the engine), and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+from types import FrameType
+
+import uvicorn
+
+from .app import ServerState, create_app
+from .settings import ServerSettings
+
+log = logging.getLogger("loraplex.engine.server")
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, telling the app it is draining as soon as a signal arrives."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState):
+        super().__init__(config)
+        self.state = state
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if not self.state.draining:
+            log.info("signal %d: draining (at most %.0f s)", sig, self.state.settings.drain_timeout_s)
+        self.state.draining = True
+        # uvicorn's own handler also records the signal to raise it again after shutdown, which would
+        # turn a clean drain into death by SIGTERM (exit 143); a drained server exits 0 instead.
+        if self.should_exit and sig == signal.SIGINT:
+            self.force_exit = True  # a second Ctrl-C: stop waiting
+        else:
+            self.should_exit = True
+
+
+def run_server(settings: ServerSettings) -> int:
+    """Serve until stopped; 0 after a clean drain, 2 if the model or a start adapter failed to load."""
+    logging.getLogger("loraplex").setLevel(logging.INFO)
+    if not logging.getLogger().handlers:
+        logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    fatal: list[str] = []
+    server: DrainingServer | None = None
+
+    def on_fatal(message: str) -> None:
+        fatal.append(message)
+        if server is not None:
+            server.should_exit = True
+
+    app = create_app(settings, on_fatal=on_fatal)
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level="info",
+        access_log=False,  # one line per request drowns everything else at serving rates
+        timeout_graceful_shutdown=max(1, round(settings.drain_timeout_s)),
+    )
+    server = DrainingServer(config, app.state.server)
+    server.run()
+    if fatal:
+        print(f"loraplex serve: {fatal[0]}", file=sys.stderr, flush=True)
+        return 2
+    return 0

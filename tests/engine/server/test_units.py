@@ -1,0 +1,167 @@
+"""The server's parts without a model: settings, OpenAI shapes, tenant labels, metrics arithmetic."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from pydantic import ValidationError
+
+from loraplex.engine.request import TokenLogprob
+from loraplex.engine.server import protocol
+from loraplex.engine.server.metrics import ServerMetrics, TenantLabels
+from loraplex.engine.server.settings import ServerSettings, parse_adapter_arg
+
+
+def test_settings_come_from_the_environment_and_flags_win(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LORAPLEX_NUM_PAGES", "512")
+    monkeypatch.setenv("LORAPLEX_MAX_BATCH_TOKENS", "2048")
+    monkeypatch.setenv("LORAPLEX_POOL_FRACTION", "0.5")
+    monkeypatch.setenv("LORAPLEX_MAX_RESIDENT_ADAPTERS", "8")
+    monkeypatch.setenv("LORAPLEX_INTERNAL_TOKEN", "s3cret")
+    monkeypatch.setenv("LORAPLEX_MODEL_FORMAT", "gguf")  # not ours: ignored quietly
+    monkeypatch.setenv("LORAPLEX_DEVICE", "cpu")
+    settings = ServerSettings(num_pages=64)
+    assert settings.num_pages == 64 and settings.max_batch_tokens == 2048
+    assert settings.internal_token is not None and settings.internal_token.get_secret_value() == "s3cret"
+    config = settings.engine_config()
+    assert config.num_pages == 64 and config.gpu_memory_fraction == 0.5
+    assert config.max_resident_adapters == 8 and config.device == "cpu"
+
+
+def test_blank_internal_token_means_none(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LORAPLEX_INTERNAL_TOKEN", "  ")
+    assert ServerSettings().internal_token is None
+
+
+def test_bad_settings_are_refused() -> None:
+    with pytest.raises(ValidationError):
+        ServerSettings(pool_fraction=1.5)
+    with pytest.raises(ValidationError, match="NAME=PATH_OR_URI"):
+        ServerSettings(adapters=["no-equals"])
+    with pytest.raises(ValidationError, match="reserved"):
+        ServerSettings(adapters=["id:x=/tmp/a"])
+
+
+def test_model_names() -> None:
+    assert ServerSettings().model_name == "SmolLM2-135M-Instruct"
+    assert ServerSettings(model="file:///models/Llama-3.2-1B.Q4_0.gguf").model_name == "Llama-3.2-1B.Q4_0"
+    assert ServerSettings(model="/models/llama-dir").model_name == "llama-dir"
+    assert ServerSettings(model="/m/x.gguf", served_model_name="prod").model_name == "prod"
+    assert ServerSettings(model="file:///models/x.gguf").engine_config().model == "/models/x.gguf"
+
+
+def test_adapter_arguments() -> None:
+    sha = "ab" * 32
+    assert parse_adapter_arg("a=/x/y") == ("a", "/x/y", None)
+    assert parse_adapter_arg(f"a=file:///x/y@{sha.upper()}") == ("a", "file:///x/y", sha)
+    assert parse_adapter_arg("a=/x/y@notahash") == ("a", "/x/y@notahash", None)
+    stored = ServerSettings(adapter_store="file:///store")
+    assert stored.resolve_adapter_uri("abc") == "file:///store/abc"
+    assert stored.resolve_adapter_uri("/abs/abc") == "/abs/abc"
+    assert ServerSettings().resolve_adapter_uri("rel") == "rel"
+
+
+def test_tenant_labels_are_bounded() -> None:
+    labels = TenantLabels(limit=2)
+    assert [labels.label(t) for t in ("a", "b", "c", "a", None)] == ["a", "b", "other", "a", "none"]
+
+
+def test_engine_totals_become_counter_increments() -> None:
+    metrics = ServerMetrics()
+    metrics.observe_adapters(registered=3, resident=1, loads=2, evictions=0, load_seconds=0.5)
+    metrics.observe_adapters(registered=3, resident=2, loads=5, evictions=1, load_seconds=0.75)
+    registry = metrics.registry
+    assert registry.get_sample_value("loraplex_adapter_loads_total") == 5
+    assert registry.get_sample_value("loraplex_adapter_evictions_total") == 1
+    assert registry.get_sample_value("loraplex_adapter_load_seconds_total") == 0.75
+    assert registry.get_sample_value("loraplex_adapters_resident") == 2
+    metrics.observe_pool({"free": 6, "kv": 1, "adapter": 0, "reserved": 1}, 8)
+    assert registry.get_sample_value("loraplex_pool_utilization") == 0.25
+    assert registry.get_sample_value("loraplex_pool_pages", {"kind": "kv"}) == 1
+
+
+def test_each_app_has_its_own_registry() -> None:
+    first, second = ServerMetrics(), ServerMetrics()
+    first.count_prompt("t", 5)
+    assert first.registry.get_sample_value("loraplex_prompt_tokens_total") == 5
+    assert second.registry.get_sample_value("loraplex_prompt_tokens_total") == 0
+
+
+def test_refused_parameters_name_themselves() -> None:
+    base = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    for extra, param in (
+        ({"n": 3}, "n"),
+        ({"frequency_penalty": 0.5}, "frequency_penalty"),
+        ({"logit_bias": {"1": 2.0}}, "logit_bias"),
+        ({"tools": [{"type": "function"}]}, "tools"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"stream_options": {"include_usage": True}}, "stream_options"),
+    ):
+        with pytest.raises(protocol.OpenAIError) as refused:
+            protocol.ChatCompletionRequest(**base, **extra).refuse_unsupported()
+        assert refused.value.status == 400 and refused.value.param == param
+    protocol.ChatCompletionRequest(**base, n=1, presence_penalty=0, user="u").refuse_unsupported()
+
+
+def test_prompts_and_messages() -> None:
+    def prompt(value: object) -> object:
+        return protocol.CompletionRequest(model="m", prompt=value).single_prompt()
+
+    assert prompt("hi") == "hi"
+    assert prompt([1, 2]) == [1, 2]
+    assert prompt(["hi"]) == "hi"
+    assert prompt(["12"]) == "12"  # a list of one text stays text
+    assert prompt([[3, 4]]) == [3, 4]
+    with pytest.raises(protocol.OpenAIError, match="one prompt per request"):
+        prompt(["a", "b"])
+    chat = protocol.ChatCompletionRequest(
+        model="m",
+        messages=[
+            {"role": "developer", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]},
+        ],
+    )
+    assert chat.template_messages() == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi there"},
+    ]
+    image = protocol.ChatCompletionRequest(
+        model="m", messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
+    )
+    with pytest.raises(protocol.OpenAIError, match="only text parts"):
+        image.template_messages()
+
+
+def test_stream_chunks_follow_openai() -> None:
+    chunks = protocol.ChunkMaker(chat=True, model="m", include_usage=True)
+    role, text = chunks.role(), chunks.text("Hi")
+    final, usage = chunks.text("", None, "length"), chunks.usage(protocol.usage(3, 2))
+    assert role["object"] == "chat.completion.chunk" and role["choices"][0]["delta"] == {
+        "role": "assistant",
+        "content": "",
+    }
+    assert text["choices"][0]["delta"] == {"content": "Hi"} and text["usage"] is None
+    assert final["choices"][0] == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "length"}
+    assert usage["choices"] == [] and usage["usage"] == {
+        "prompt_tokens": 3,
+        "completion_tokens": 2,
+        "total_tokens": 5,
+    }
+    assert len({c["id"] for c in (role, text, final, usage)}) == 1
+    assert protocol.sse(text).startswith(b"data: {") and protocol.sse(text).endswith(b"}\n\n")
+    plain = protocol.ChunkMaker(chat=False, model="m", include_usage=False).text("x")
+    assert plain["object"] == "text_completion" and "usage" not in plain
+    assert plain["choices"][0] == {"index": 0, "text": "x", "logprobs": None, "finish_reason": None}
+
+
+def test_logprobs_shapes() -> None:
+    entries = [TokenLogprob(1, -0.5, [(1, -0.5), (2, float("-inf"))]), TokenLogprob(2, -1.0, [])]
+    names = {1: "ab", 2: "é"}
+    chat = protocol.chat_logprobs(entries, names.__getitem__)
+    assert chat["content"][0]["top_logprobs"][1] == {"token": "é", "logprob": -9999.0, "bytes": [195, 169]}
+    json.dumps(chat, allow_nan=False)  # no -inf reaches JSON
+    legacy, offset = protocol.completion_logprobs(entries, names.__getitem__, 10)
+    assert legacy["text_offset"] == [10, 12] and offset == 13
+    assert legacy["top_logprobs"][0] == {"ab": -0.5, "é": -9999.0}
