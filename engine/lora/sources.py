@@ -13,7 +13,7 @@ from typing import Protocol
 
 import torch
 
-from loraplex.adapters import AdapterError, AdapterManifest, BaseShape, fetch_local, inspect_adapter
+from loraplex.adapters import AdapterError, AdapterManifest, BaseShape, inspect_adapter, local_path
 from loraplex.adapters.weights import load_lora_weights
 
 # (layer, module) -> (A [rank, in], B [out, rank])
@@ -39,8 +39,13 @@ class DirectorySource:
     @classmethod
     def open(cls, uri: str | Path, base: BaseShape, sha256: str | None = None) -> DirectorySource:
         """Validate the adapter at `uri` for `base`; with `sha256`, refuse weights with another hash."""
-        directory = fetch_local(str(uri), sha256)
-        return cls(directory, inspect_adapter(directory, base))
+        directory = local_path(str(uri))
+        manifest = inspect_adapter(directory, base)  # names the first problem; hashes the weights once
+        if sha256 is not None and manifest.sha256 != sha256.lower():
+            raise AdapterError(
+                f"adapter at {uri} has sha256 {manifest.sha256}, expected {sha256}: refusing it"
+            )
+        return cls(directory, manifest)
 
     def load(self, dtype: torch.dtype) -> LoraWeights:
         try:
