@@ -145,6 +145,17 @@ def build_parser() -> argparse.ArgumentParser:
     web_cli.add_arguments(web)
     web.set_defaults(handler=web_cli.run)
 
+    from . import up
+
+    up_parser = commands.add_parser(
+        "up",
+        help="the whole platform on one machine: engine, console, API and gateway on one port",
+        description="Starts the engine (SmolLM2-135M-Instruct) and the control plane, sets up a demo "
+        "tenant, user, key and adapter, and prints how to use them. Ctrl-C stops everything.",
+    )
+    up.add_arguments(up_parser)
+    up_parser.set_defaults(handler=up.run)
+
     op = commands.add_parser(
         "operator", help="run the Kubernetes operator (same as kopf run -m loraplex.operator.main)"
     )

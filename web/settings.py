@@ -60,6 +60,11 @@ class Settings(BaseSettings):
         return self.artifact_root
 
 
+def secret_in_file(path: Path) -> str:
+    """The secret kept in `path`, made (random, owner-readable only) the first time it is asked for."""
+    return _secret(None, path)
+
+
 def _secret(value: SecretStr | None, path: Path) -> str:
     """The configured secret, else the one kept in `path` (made once, readable by its owner only)."""
     if value is not None:
