@@ -21,9 +21,15 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import httpx
+if TYPE_CHECKING:  # the CLI imports this module for every command: the heavy imports wait for `up`
+    import uvicorn
+
+    from loraplex.web.bootstrap import Demo
+    from loraplex.web.settings import Settings
 
 BASE_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 REPO = Path(__file__).resolve().parents[1]
@@ -92,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
         _wait_for_engine(engine, engine_url, log_path, args.engine_timeout)
         demo = ensure_demo(settings, BASE_MODEL, engine_url, DEMO_ADAPTER_DIR)
         url = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}"
-        server = _AnnouncingServer(
+        server = _announcing_server(
             uvicorn.Config(create_app(settings), host=args.host, port=args.port, log_level="warning"),
             lambda: print(_banner(url, demo, settings), flush=True),
         )
@@ -114,19 +120,18 @@ class _EngineFailed(RuntimeError):
     pass
 
 
-class _AnnouncingServer:
+def _announcing_server(config: uvicorn.Config, on_started: Callable[[], None]) -> uvicorn.Server:
     """uvicorn's Server, calling `on_started` once it listens (that is when the banner is true)."""
 
-    def __new__(cls, config, on_started):  # type: ignore[no-untyped-def]
-        import uvicorn
+    import uvicorn
 
-        class Server(uvicorn.Server):
-            async def startup(self, sockets=None):  # type: ignore[no-untyped-def]
-                await super().startup(sockets)
-                if self.started:
-                    on_started()
+    class Server(uvicorn.Server):
+        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+            await super().startup(sockets)
+            if self.started:
+                on_started()
 
-        return Server(config)
+    return Server(config)
 
 
 def _say(message: str) -> None:
@@ -173,6 +178,8 @@ def _start_engine(port: int, token: str, log_path: Path) -> subprocess.Popen[byt
 
 
 def _wait_for_engine(engine: subprocess.Popen[bytes], url: str, log_path: Path, timeout: float) -> None:
+    import httpx
+
     began = time.monotonic()
     last_said = 0.0
     while True:
@@ -206,7 +213,9 @@ def _stop(engine: subprocess.Popen[bytes], grace: float = 15.0) -> None:
         engine.wait()
 
 
-def _banner(url: str, demo, settings) -> str:  # type: ignore[no-untyped-def]
+def _banner(url: str, demo: Demo, settings: Settings) -> str:
+    assert settings.admin_token is not None  # run() sets one
+    admin_token = settings.admin_token.get_secret_value()
     message = {"role": "user", "content": "Say hello to the team."}
     body = json.dumps({"model": demo.adapter, "messages": [message], "max_tokens": 32})
     curl = (
@@ -233,7 +242,7 @@ def _banner(url: str, demo, settings) -> str:  # type: ignore[no-untyped-def]
             f"  console   {url}/console/   sign in as {demo.email} / {demo.password}",
             f"  API key   {demo.api_key}",
             f"  models    {demo.adapter} (the demo adapter: answers in capitals), {demo.base_model}",
-            f"  admin API {url}/admin/v1/   Authorization: Bearer {settings.admin_token.get_secret_value()}",
+            f"  admin API {url}/admin/v1/   Authorization: Bearer {admin_token}",
             "",
             "Try it with curl:",
             "--- curl ---",
