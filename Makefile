@@ -6,7 +6,7 @@ PIP := $(PY) -m pip --disable-pip-version-check -q
 CONSTRAINTS := constraints-cpu.txt
 PROMPT ?= Write a haiku about the sea.
 
-.PHONY: run test lint install install-dev bench clean
+.PHONY: run generate test lint install install-engine install-dev bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +26,11 @@ $(VENV)/.engine: $(VENV)/.model pyproject.toml
 	$(PIP) install -c $(CONSTRAINTS) -e ".[engine]"
 	touch $@
 
+# What `loraplex up` needs: the engine and the control plane.
+$(VENV)/.platform: $(VENV)/.model pyproject.toml
+	$(PIP) install -c $(CONSTRAINTS) -e ".[engine,web]"
+	touch $@
+
 $(VENV)/.dev: $(VENV)/.model pyproject.toml
 	$(PIP) install -c $(CONSTRAINTS) -e ".[engine,web,operator,dev]"
 	touch $@
@@ -38,11 +43,18 @@ SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 $(CHROMIUM):
 	$(SUDO) env $(APT_CHROMIUM) || { $(SUDO) apt-get update && $(SUDO) env $(APT_CHROMIUM); }
 
-install: $(VENV)/.engine
+install: $(VENV)/.platform
+install-engine: $(VENV)/.engine
 install-dev: $(VENV)/.dev $(CHROMIUM)
 
-# Installs the engine and answers one prompt with the default model (SmolLM2-135M-Instruct, CPU).
+# Installs the platform and runs all of it on this machine (`loraplex up`): console, API, gateway and
+# one engine with SmolLM2-135M-Instruct, on http://127.0.0.1:$(PORT). Ctrl-C stops it.
+PORT ?= 8080
 run: install
+	$(VENV)/bin/loraplex up --port $(PORT)
+
+# Answers one prompt with the default model, no server: `make generate PROMPT="..."`.
+generate: install-engine
 	$(VENV)/bin/loraplex generate --chat --prompt "$(PROMPT)"
 
 # Installs everything, checks lint and types, and runs the whole test suite.
@@ -61,6 +73,8 @@ lint: install-dev
 
 bench: install-dev
 	$(PY) -m loraplex.bench offline
+	$(PY) -m loraplex.bench lora
+	$(PY) -m loraplex.bench serve
 
 clean:
 	rm -rf $(VENV) build *.egg-info
