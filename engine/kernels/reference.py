@@ -322,3 +322,46 @@ def prefill_attention_varlen(
         for s in range(len(lens))
     ]
     return torch.cat(parts) if parts else q.new_empty(q.shape)
+
+
+def grouped_matmul(
+    x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, counts: list[int]
+) -> torch.Tensor:
+    """Each row block of x times its own matrix: rows [offsets[g-1], offsets[g]) of x times w[g].
+
+    Shapes: x [T, K]; w [G, K, N]; offsets [G] int32 cumulative row ends; counts the G block sizes
+    (on the host). Returns [T, N]. torch's grouped GEMM when it takes these shapes and dtypes (one
+    call, no padding of the rows), else one matmul per block.
+    """
+    if hasattr(torch, "_grouped_mm"):
+        try:
+            return torch._grouped_mm(x, w, offs=offsets)
+        except RuntimeError:  # e.g. strides it cannot use for this dtype: fall through
+            pass
+    return torch.cat([block @ w[g] for g, block in enumerate(x.split(counts))])
+
+
+def lora_grouped(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    order: torch.Tensor | None,
+    offsets: torch.Tensor,
+    counts: list[int],
+) -> None:
+    """Add every token's own adapter delta to a projection's output, in place, adapter by adapter.
+
+    Shapes: x [T, in]; y [T, out]; a [G, in, R] and b [G, R, out]: the A^T and scaled B^T of the G
+    adapters in the step that adapt this projection, their ranks zero-padded to R; order [T_a] the
+    rows of the tokens with one of those adapters, grouped by adapter (None: all T rows, in order);
+    offsets / counts the groups' row ends / sizes within order.
+    Semantics: y[t] += (x[t] @ a[g]) @ b[g] for each token t of adapter g. The cost follows the
+    tokens' own ranks, not the sum of all the step's ranks as lora_shrink_expand's does.
+    """
+    rows = x if order is None else x.index_select(0, order)
+    delta = grouped_matmul(grouped_matmul(rows, a, offsets, counts), b, offsets, counts)
+    if order is None:
+        y.add_(delta)
+    else:
+        y.index_add_(0, order, delta.to(y.dtype))

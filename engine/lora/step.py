@@ -9,6 +9,7 @@ small tables, per token for decodes and per segment (one prefill chunk, one adap
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -22,73 +23,95 @@ if TYPE_CHECKING:
     from ..runner import StepBatch
 
 
+# A group's adapters in the step (sorted names), their A^T [L, G, in, R] and B^T [L, G, R, out].
+Stack = tuple[tuple[str, ...], torch.Tensor, torch.Tensor]
+
+
+@dataclass
+class GroupPlan:
+    """One projection group's work in a step: its adapters' padded matrices and which tokens use them."""
+
+    a: torch.Tensor  # [L, G, in, R] A^T of the G adapters that adapt the group, ranks padded to R
+    b: torch.Tensor  # [L, G, R, out] scaled B^T
+    order: torch.Tensor | None  # [T_a] rows of their tokens grouped by adapter (None: all rows, in order)
+    offsets: torch.Tensor  # [G] int32 row ends within order
+    counts: list[int]
+
+
 class LoraStep:
-    def __init__(
-        self,
-        stacks: dict[str, tuple[torch.Tensor, torch.Tensor]],  # group -> (a [L, C, in], b [L, C, out])
-        columns: dict[str, torch.Tensor],  # group -> [T, C] 0/1: the token's adapter owns the column
-    ):
-        self.stacks = stacks
-        self.columns = columns
+    def __init__(self, plans: dict[str, GroupPlan]):
+        self.plans = plans
 
     def __call__(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
-        stack = self.stacks.get(group)
-        if stack is not None:
-            reference.lora_shrink_expand(x, y, stack[0][layer], stack[1][layer], self.columns[group])
+        plan = self.plans.get(group)
+        if plan is not None:
+            reference.lora_grouped(x, y, plan.a[layer], plan.b[layer], plan.order, plan.offsets, plan.counts)
 
 
 class LoraStacker:
-    """Builds LoraSteps; the stacked rows are gathered once per set of adapters and reused while the
-    same adapters run in the same pages (decode steps mostly do)."""
+    """Builds LoraSteps for the CPU path. Each adapter's rows are gathered from the pool into padded
+    per-adapter matrices once per set of adapters and reused while the same adapters stay in the same
+    pages (the set is keyed sorted, so decode steps with the same adapters reuse it in any order)."""
 
     def __init__(self, residency: AdapterResidency):
         self.residency = residency
         self._cached_key: tuple[tuple[str, ...], int] | None = None
-        self._cached: tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], dict[str, torch.Tensor]] = ({}, {})
+        self._cached: dict[str, Stack] = {}
 
     def build(self, batch: StepBatch) -> LoraStep | None:
         return self.build_for(batch.token_adapters)
 
     def build_for(self, token_adapters: Sequence[str | None]) -> LoraStep | None:
-        names = tuple(dict.fromkeys(a for a in token_adapters if a is not None))
+        names = tuple(sorted({a for a in token_adapters if a is not None}))
         if not names:
             return None
-        stacks, owners = self._stacks(names)
-        slot = {name: i for i, name in enumerate(names)}
         device = self.residency.pool_rows.device
-        token_slot = torch.tensor([slot[a] if a is not None else -1 for a in token_adapters], device=device)
-        dtype = self.residency.pool_rows.dtype
-        columns = {g: (owner[None, :] == token_slot[:, None]).to(dtype) for g, owner in owners.items()}
-        return LoraStep(stacks, columns)
+        plans: dict[str, GroupPlan] = {}
+        for group, (members, a, b) in self._stacks(names).items():
+            slot = {name: i for i, name in enumerate(members)}
+            tokens = [(slot[n], t) for t, n in enumerate(token_adapters) if n in slot]
+            tokens.sort()  # by adapter, then position: each adapter's tokens form one block
+            counts = [0] * len(members)
+            for s, _ in tokens:
+                counts[s] += 1
+            rows = [t for _, t in tokens]
+            in_order = len(rows) == len(token_adapters) and rows == list(range(len(rows)))
+            order = None if in_order else torch.tensor(rows, dtype=torch.long, device=device)
+            ends = torch.tensor(counts, dtype=torch.int32, device=device).cumsum(0, dtype=torch.int32)
+            keep = [i for i, c in enumerate(counts) if c]  # members absent from this step's tokens
+            if len(keep) < len(members):
+                a, b, ends = a[:, keep], b[:, keep], ends[keep]
+                counts = [counts[i] for i in keep]
+            plans[group] = GroupPlan(a, b, order, ends, counts)
+        return LoraStep(plans)
 
     def _stacks(
         self, names: tuple[str, ...]
-    ) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], dict[str, torch.Tensor]]:
+    ) -> dict[str, tuple[tuple[str, ...], torch.Tensor, torch.Tensor]]:
         key = (names, self.residency.version)
         if key == self._cached_key:
             return self._cached
         pool_rows = self.residency.pool_rows
-        stacks: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        owners: dict[str, torch.Tensor] = {}
+        resident = self.residency.resident
+        stacks: dict[str, Stack] = {}
         for group in GROUPS:
-            parts = [
-                (i, self.residency.resident[name].a_rows[group], self.residency.resident[name].b_rows[group])
-                for i, name in enumerate(names)
-                if group in self.residency.resident[name].a_rows
-            ]
-            if not parts:
+            members = tuple(n for n in names if group in resident[n].a_rows)
+            if not members:
                 continue
-            a_index = torch.cat([a for _, a, _ in parts], dim=1)  # [L, C, in / head_dim]
-            b_index = torch.cat([b for _, _, b in parts], dim=1)
-            stacks[group] = (
-                reference.gather_rows(pool_rows, a_index),
-                reference.gather_rows(pool_rows, b_index),
-            )
-            owners[group] = torch.cat(
-                [torch.full((a.shape[1],), i, device=pool_rows.device) for i, a, _ in parts]
-            )
-        self._cached_key, self._cached = key, (stacks, owners)
-        return stacks, owners
+            a_parts = [reference.gather_rows(pool_rows, resident[n].a_rows[group]) for n in members]
+            b_parts = [reference.gather_rows(pool_rows, resident[n].b_rows[group]) for n in members]
+            layers, _, width_in = a_parts[0].shape
+            width_out = b_parts[0].shape[2]
+            # Padded to a multiple of 8 rows: grouped GEMMs want 16-byte strides in half precision.
+            rank = -(-max(p.shape[1] for p in a_parts) // 8) * 8
+            a = pool_rows.new_zeros(layers, len(members), width_in, rank)
+            b = pool_rows.new_zeros(layers, len(members), rank, width_out)
+            for i, (pa, pb) in enumerate(zip(a_parts, b_parts, strict=True)):
+                a[:, i, :, : pa.shape[1]] = pa.transpose(1, 2)
+                b[:, i, : pb.shape[1]] = pb
+            stacks[group] = (members, a, b)
+        self._cached_key, self._cached = key, stacks
+        return stacks
 
 
 class KernelLoraStep:

@@ -81,3 +81,43 @@ def test_write_kv_touches_only_its_slots() -> None:
     assert memory[1, LAYER, 0, :, 1].eq(1).all() and memory[2, LAYER, 0, :, 3].eq(1).all()
     assert memory[1, LAYER, 1, :, 1].eq(2).all() and memory[2, LAYER, 1, :, 3].eq(2).all()
     assert memory.sum() == 2 * 2 * 8 * (1 + 2)  # nothing else written, no other layer touched
+
+
+@pytest.mark.parametrize("use_grouped_gemm", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_lora_equals_the_column_masked_one(
+    use_grouped_gemm: bool, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """lora_grouped (the CPU path) against lora_shrink_expand on the same adapters: ranks 1 to 16,
+    tokens of three adapters interleaved, some tokens without an adapter."""
+    if not use_grouped_gemm:
+        monkeypatch.delattr(torch, "_grouped_mm", raising=False)
+    gen = torch.Generator().manual_seed(0)
+    ranks, width_in, width_out = [1, 16, 5], 64, 48
+    slots = [2, -1, 0, 1, 1, 2, -1, 0, 2, 2]
+    x = torch.randn(len(slots), width_in, generator=gen).to(dtype)
+    a_list = [torch.randn(r, width_in, generator=gen).to(dtype) for r in ranks]
+    b_list = [torch.randn(r, width_out, generator=gen).to(dtype) for r in ranks]
+    columns = torch.zeros(len(slots), sum(ranks), dtype=dtype)
+    starts = [0, 1, 17]
+    for t, s in enumerate(slots):
+        if s >= 0:
+            columns[t, starts[s] : starts[s] + ranks[s]] = 1
+    expected = torch.randn(len(slots), width_out, generator=gen).to(dtype)
+    got = expected.clone()
+    reference.lora_shrink_expand(x, expected, torch.cat(a_list), torch.cat(b_list), columns)
+
+    rank = 16
+    a = torch.zeros(3, width_in, rank, dtype=dtype)
+    b = torch.zeros(3, rank, width_out, dtype=dtype)
+    for i, r in enumerate(ranks):
+        a[i, :, :r], b[i, :r] = a_list[i].t(), b_list[i]
+    order = sorted((s, t) for t, s in enumerate(slots) if s >= 0)
+    counts = [sum(1 for s, _ in order if s == i) for i in range(3)]
+    offsets = torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    rows = torch.tensor([t for _, t in order])
+    untouched = got[[1, 6]].clone()
+    reference.lora_grouped(x, got, a, b, rows, offsets, counts)
+    tolerance = 1e-5 if dtype == torch.float32 else 5e-2
+    torch.testing.assert_close(got, expected, rtol=tolerance, atol=tolerance)
+    assert torch.equal(got[[1, 6]], untouched)  # tokens without an adapter are not touched

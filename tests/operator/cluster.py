@@ -231,7 +231,7 @@ class Cluster:
         }
 
 
-def wait_for(check: Callable[[], T], timeout: float = 20.0, interval: float = 0.1, what: str = "") -> T:
+def wait_for(check: Callable[[], T], timeout: float = 60.0, interval: float = 0.1, what: str = "") -> T:
     """Poll `check` until it returns something truthy; fail with `what` after `timeout` seconds."""
     import time
 

@@ -168,7 +168,7 @@ def test_builtin_autoscaler_follows_engine_metrics(cluster: Cluster, operator: N
         return int((cluster.get("Deployment", CHILD) or {}).get("spec", {}).get("replicas") or 0)
 
     cluster.set_load(16.0)  # 4x the target per pod
-    wait_for(lambda: replicas() == 4, timeout=30, what="scale up to max (4)")
+    wait_for(lambda: replicas() == 4, timeout=60, what="scale up to max (4)")
     decision = wait_for(
         lambda: (
             cluster.get("InferenceDeployment", NAME)["status"].get("autoscaling", {}).get("desiredReplicas")
@@ -181,7 +181,7 @@ def test_builtin_autoscaler_follows_engine_metrics(cluster: Cluster, operator: N
     assert len(cluster.list("Pod")) >= 4
     cluster.set_load(0.0)
     # After the 2 s stabilization window, down by at most 50% per minute: 4 -> 2.
-    wait_for(lambda: replicas() == 2, timeout=30, what="scale down to 2")
+    wait_for(lambda: replicas() == 2, timeout=60, what="scale down to 2")
     status = cluster.get("InferenceDeployment", NAME)["status"]
     assert status["autoscaling"]["reason"] == "RateLimited"
 
