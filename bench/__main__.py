@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import lora, offline, serve, step_profile
+from . import kernels, lora, offline, serve, step_profile
 
 
 def main() -> int:
@@ -15,6 +15,9 @@ def main() -> int:
     step_profile.add_arguments(commands.add_parser("profile", help="where a decode step's time goes"))
     serve.add_arguments(commands.add_parser("serve", help="loraplex serve under streaming load on loopback"))
     lora.add_arguments(commands.add_parser("lora", help="multi-LoRA benchmarks (issue 3)"))
+    kernels.add_arguments(
+        commands.add_parser("kernels", help="the Triton kernels vs floors and torch baselines")
+    )
     args = parser.parse_args()
     return int(args.run(args))
 
