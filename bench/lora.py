@@ -433,7 +433,8 @@ def part_scale(loaded: Any, work: Workload, many: int, few: int, seed: int, repo
             f"    {s['distinct_adapters']} distinct adapters requested (mean rank per request "
             f"{s['mean_request_rank']:.1f}); pool {s['pool_pages']} pages: {s['adapter_loads']} loads, "
             f"{s['adapter_evictions']} evictions, {s['adapter_load_seconds']:.2f} s loading; host cache "
-            f"{s['host_hits']} hits, {s['host_misses']} misses, {s['host_loads']} packs "
+            f"{s['host_hits']} hits, {s['host_waits']} waits for a prefetch in flight, "
+            f"{s['host_misses']} misses, {s['host_loads']} packs "
             f"({s['host_load_seconds']:.2f} s, background), {s['host_evictions']} evictions",
             flush=True,
         )
