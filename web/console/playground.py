@@ -21,7 +21,7 @@ from pydantic import BaseModel, Field, ValidationError
 
 from ..api.deps import SessionDep
 from ..api.routes.gateway import OpenAIError
-from ..api.routes.gateway import _proxy as gateway_proxy
+from ..api.routes.gateway import proxy as gateway_proxy
 from ..services import gateway
 from ..services.keys import Principal
 from ..services.users import UserView
@@ -52,7 +52,7 @@ class PlaygroundChat(BaseModel):
 def principal_of(user: UserView) -> Principal:
     assert user.tenant_id is not None and user.tenant_name is not None
     # No API key is involved: the usage record's key is left empty, which marks console traffic.
-    return Principal(tenant_id=user.tenant_id, tenant_name=user.tenant_name, key_id=None)  # type: ignore[arg-type]
+    return Principal(tenant_id=user.tenant_id, tenant_name=user.tenant_name, key_id=None)
 
 
 def _models(session: SessionDep, user: UserView) -> list[dict[str, Any]]:

@@ -24,11 +24,11 @@ LAST_USED_RESOLUTION = dt.timedelta(seconds=60)
 
 @dataclass(frozen=True)
 class Principal:
-    """Who a valid key speaks for."""
+    """Who a request speaks for: a tenant, through one of its keys (None: a signed-in console user)."""
 
     tenant_id: uuid.UUID
     tenant_name: str
-    key_id: uuid.UUID
+    key_id: uuid.UUID | None
 
 
 def generate_key() -> str:

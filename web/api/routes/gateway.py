@@ -111,12 +111,12 @@ async def list_models(request: Request, principal: GatewayTenant) -> dict[str, A
 async def chat_completions(
     body: ChatCompletionRequest, request: Request, principal: GatewayTenant
 ) -> Response:
-    return await _proxy(request, principal, body.model_dump(exclude_unset=True), "chat/completions")
+    return await proxy(request, principal, body.model_dump(exclude_unset=True), "chat/completions")
 
 
 @router.post("/completions", response_model=None)
 async def completions(body: CompletionRequest, request: Request, principal: GatewayTenant) -> Response:
-    return await _proxy(request, principal, body.model_dump(exclude_unset=True), "completions")
+    return await proxy(request, principal, body.model_dump(exclude_unset=True), "completions")
 
 
 class _Call:
@@ -156,7 +156,10 @@ class _Call:
             log.exception("could not record usage", extra={"tenant": str(self.principal.tenant_id)})
 
 
-async def _proxy(request: Request, principal: Principal, body: dict[str, Any], endpoint: str) -> Response:
+async def proxy(request: Request, principal: Principal, body: dict[str, Any], endpoint: str) -> Response:
+    """Serve one OpenAI request for `principal`: resolve the model, admit it against the quotas, forward it
+    to a replica (streams relayed as they come) and record its usage. The console's playground uses it
+    too, so both paths account the same way."""
     app = request.app
     db: Database = app.state.db
     model = body["model"]
