@@ -401,11 +401,10 @@ def prepare_triton(device: torch.device) -> bool:
     Returns whether the kernels run interpreted."""
     if device.type == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")
-    import triton
-
     from loraplex.engine.kernels import lora_shrink  # noqa: F401  (decorates the kernels now)
+    from loraplex.engine.kernels.dot import interpreting
 
-    interpreted = bool(triton.knobs.runtime.interpret)
+    interpreted = interpreting()
     if device.type == "cpu" and not interpreted:
         raise SystemExit("--device cpu needs TRITON_INTERPRET=1 before triton is first imported")
     return interpreted

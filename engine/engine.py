@@ -189,11 +189,10 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one batch: schedule, run the model, append sampled tokens. Returns touched requests."""
-        outputs = self._fail_broken_adapters()
         scheduled = self.scheduler.schedule()
+        outputs = self._fail_broken_adapters()  # admission is where an adapter's load fails
         self.adapters.prefetch(self._next_adapters())
         if not scheduled.chunks:
-            outputs += self._fail_broken_adapters()  # an adapter may have failed while being admitted
             if self.scheduler.waiting and not self.scheduler.running and not outputs:
                 raise RuntimeError("the scheduler could not admit any request into an empty pool")
             return outputs

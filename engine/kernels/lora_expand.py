@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .dot import dot_precision, interpreting
+
 
 @triton.jit
 def _expand_segments_kernel(
@@ -145,17 +147,6 @@ def _expand_tokens_kernel(
     tl.store(y, (old.to(tl.float32) + delta).to(y_ptr.dtype.element_ty), mask=col_ok)
 
 
-def _dot_precision(dtype: torch.dtype) -> str:
-    # float32 inputs would run as tf32 on tensor cores (10-bit mantissa); float32 means exact here.
-    return "ieee" if dtype == torch.float32 else "tf32"
-
-
-def _upcast_dot() -> bool:
-    # Triton's CPU interpreter multiplies bfloat16 operands of tl.dot as their raw uint16 storage
-    # (triton 3.9); float32 operands give the same exact products the GPU's bf16 dot makes.
-    return bool(triton.knobs.runtime.interpret)
-
-
 def _check(y: torch.Tensor, shrunk: torch.Tensor, pool_rows: torch.Tensor) -> None:
     if not pool_rows.is_contiguous():
         raise ValueError("pool_rows must be contiguous: rows are addressed as flat offsets")
@@ -214,8 +205,8 @@ def lora_expand_segments(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_R=block_r,
-        PRECISION=_dot_precision(pool_rows.dtype),
-        UPCAST=_upcast_dot(),
+        PRECISION=dot_precision(pool_rows.dtype),
+        UPCAST=interpreting(),
     )
 
 

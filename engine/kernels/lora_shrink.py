@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .dot import dot_precision, interpreting
+
 
 @triton.jit
 def _shrink_segments_kernel(
@@ -153,17 +155,6 @@ def _max_rank(slot_rank: torch.Tensor, max_rank: int | None) -> int:
     return int(slot_rank.max()) if len(slot_rank) else 0
 
 
-def _dot_precision(dtype: torch.dtype) -> str:
-    # float32 inputs would run as tf32 on tensor cores (10-bit mantissa); float32 means exact here.
-    return "ieee" if dtype == torch.float32 else "tf32"
-
-
-def _upcast_dot() -> bool:
-    # Triton's CPU interpreter multiplies bfloat16 operands of tl.dot as their raw uint16 storage
-    # (triton 3.9); float32 operands give the same exact products the GPU's bf16 dot makes.
-    return bool(triton.knobs.runtime.interpret)
-
-
 def _split_k(programs: int, k_steps: int, device: torch.device) -> int:
     """How many programs share one dot product: enough for about two waves of the GPU's SMs, while
     each still walks at least 4 BLOCK_K steps. 1 off the GPU (the interpreter gains nothing)."""
@@ -236,8 +227,8 @@ def lora_shrink_segments(
         BLOCK_R=block_r,
         BLOCK_K=block_k,
         SPLIT_K=split,
-        PRECISION=_dot_precision(x.dtype),
-        UPCAST=_upcast_dot(),
+        PRECISION=dot_precision(x.dtype),
+        UPCAST=interpreting(),
     )
     return out
 

@@ -17,7 +17,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton import knobs
+
+from .dot import dot_options
 
 # Keys per loop step: large enough to keep the tensor cores and the memory pipeline busy, small enough
 # that a short context wastes little of its last tile.
@@ -27,7 +28,6 @@ MIN_PARTITION_TOKENS = 256
 # Decode is bound by memory bandwidth; an SM needs a few resident programs' loads in flight to reach it.
 PROGRAMS_PER_SM = 4
 LOG2_E = 1.4426950408889634
-TRITON_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
 @triton.jit
@@ -160,15 +160,6 @@ def _merge_partitions_kernel(
         m = m_new
     out = acc / total
     tl.store(out_ptr + seq * stride_ob + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
-
-
-def dot_options(dtype: torch.dtype) -> dict[str, object]:
-    """Constexprs DOT_DTYPE and PRECISION for a cache of `dtype`: its own type on a GPU, with float32
-    matmuls exact (ieee, not tf32) since float32 serving is for checking results; float32 under the
-    interpreter, whose tl.dot multiplies bfloat16 bit patterns (triton-lang/triton#11584)."""
-    if dtype == torch.float32 or knobs.runtime.interpret:
-        return {"DOT_DTYPE": tl.float32, "PRECISION": "ieee"}
-    return {"DOT_DTYPE": TRITON_DTYPES[dtype], "PRECISION": "tf32"}
 
 
 def choose_partition_tokens(batch: int, kv_heads: int, max_tokens: int, device: torch.device) -> int:

@@ -15,7 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .paged_decode_attention import LOG2_E, dot_options
+from .dot import dot_options
+from .paged_decode_attention import LOG2_E
 
 # 64 x 64 tiles: the usual flash-attention forward tile for head_dim 64-128 on an H100 with 4 warps.
 BLOCK_M = 64

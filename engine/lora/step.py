@@ -1,16 +1,18 @@
 """One step's LoRA work, as the model calls it per layer and projection group; tokens without an
 adapter, and groups no adapter in the batch targets, cost nothing.
 
-Two ways to do it. On the CPU (LoraStacker): gather the stacked A and B rows of the step's adapters
-once, and mask each token's columns to its own adapter, so each group is two dense matmuls. With the
-Triton kernels (KernelLoraStacker): the kernels read every adapter's rows straight from the pool through
-small tables, per token for decodes and per segment (one prefill chunk, one adapter) for prefills."""
+Two ways to do it. On the CPU (LoraStacker): gather each of the step's adapters' rows from the pool into
+rank-padded matrices, group the tokens by adapter, and run two grouped GEMMs per projection group. With
+the Triton kernels (KernelLoraStacker): the kernels read every adapter's rows straight from the pool
+through small tables, per token for decodes and per segment (one prefill chunk, one adapter) for
+prefills. Both derive what they need once per set of adapters (keyed sorted, so steps with the same
+adapters in another order reuse it) and again only when an adapter's pages change."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 import torch
 
@@ -25,6 +27,29 @@ if TYPE_CHECKING:
 
 # A group's adapters in the step (sorted names), their A^T [L, G, in, R] and B^T [L, G, R, out].
 Stack = tuple[tuple[str, ...], torch.Tensor, torch.Tensor]
+Derived = TypeVar("Derived")
+
+
+def adapter_set(token_adapters: Sequence[str | None]) -> tuple[str, ...]:
+    """The step's adapters, sorted: the same set gives the same slots whatever the tokens' order."""
+    return tuple(sorted({a for a in token_adapters if a is not None}))
+
+
+class _PerAdapterSet(Generic[Derived]):
+    """What a stacker derives from a set of resident adapters, rebuilt only when the set changes or
+    the residency's version does (an adapter's pages moved)."""
+
+    def __init__(self, residency: AdapterResidency, derive: Callable[[tuple[str, ...]], Derived]):
+        self.residency = residency
+        self.derive = derive
+        self._key: tuple[tuple[str, ...], int] | None = None
+        self._value: Derived | None = None
+
+    def __call__(self, names: tuple[str, ...]) -> Derived:
+        key = (names, self.residency.version)
+        if key != self._key or self._value is None:
+            self._value, self._key = self.derive(names), key
+        return self._value
 
 
 @dataclass
@@ -49,48 +74,34 @@ class LoraStep:
 
 
 class LoraStacker:
-    """Builds LoraSteps for the CPU path. Each adapter's rows are gathered from the pool into padded
-    per-adapter matrices once per set of adapters and reused while the same adapters stay in the same
-    pages (the set is keyed sorted, so decode steps with the same adapters reuse it in any order)."""
+    """Builds LoraSteps for the CPU path."""
 
     def __init__(self, residency: AdapterResidency):
         self.residency = residency
-        self._cached_key: tuple[tuple[str, ...], int] | None = None
-        self._cached: dict[str, Stack] = {}
+        self._stacks = _PerAdapterSet(residency, self._gather)
 
     def build(self, batch: StepBatch) -> LoraStep | None:
-        return self.build_for(batch.token_adapters)
-
-    def build_for(self, token_adapters: Sequence[str | None]) -> LoraStep | None:
-        names = tuple(sorted({a for a in token_adapters if a is not None}))
+        adapters = batch.token_adapters
+        names = adapter_set(adapters)
         if not names:
             return None
+        # The tokens of each adapter, in adapter order: one block per adapter for the grouped GEMMs.
+        by_adapter: dict[str, list[int]] = {name: [] for name in names}
+        for row, name in enumerate(adapters):
+            if name is not None:
+                by_adapter[name].append(row)
         device = self.residency.pool_rows.device
         plans: dict[str, GroupPlan] = {}
         for group, (members, a, b) in self._stacks(names).items():
-            slot = {name: i for i, name in enumerate(members)}
-            tokens = [(slot[n], t) for t, n in enumerate(token_adapters) if n in slot]
-            tokens.sort()  # by adapter, then position: each adapter's tokens form one block
-            counts = [0] * len(members)
-            for s, _ in tokens:
-                counts[s] += 1
-            rows = [t for _, t in tokens]
-            in_order = len(rows) == len(token_adapters) and rows == list(range(len(rows)))
+            counts = [len(by_adapter[n]) for n in members]  # each at least 1: members are in the step
+            rows = [row for n in members for row in by_adapter[n]]
+            in_order = len(rows) == len(adapters) and rows == list(range(len(rows)))
             order = None if in_order else torch.tensor(rows, dtype=torch.long, device=device)
             ends = torch.tensor(counts, dtype=torch.int32, device=device).cumsum(0, dtype=torch.int32)
-            keep = [i for i, c in enumerate(counts) if c]  # members absent from this step's tokens
-            if len(keep) < len(members):
-                a, b, ends = a[:, keep], b[:, keep], ends[keep]
-                counts = [counts[i] for i in keep]
             plans[group] = GroupPlan(a, b, order, ends, counts)
         return LoraStep(plans)
 
-    def _stacks(
-        self, names: tuple[str, ...]
-    ) -> dict[str, tuple[tuple[str, ...], torch.Tensor, torch.Tensor]]:
-        key = (names, self.residency.version)
-        if key == self._cached_key:
-            return self._cached
+    def _gather(self, names: tuple[str, ...]) -> dict[str, Stack]:
         pool_rows = self.residency.pool_rows
         resident = self.residency.resident
         stacks: dict[str, Stack] = {}
@@ -110,7 +121,6 @@ class LoraStacker:
                 a[:, i, :, : pa.shape[1]] = pa.transpose(1, 2)
                 b[:, i, : pb.shape[1]] = pb
             stacks[group] = (members, a, b)
-        self._cached_key, self._cached = key, stacks
         return stacks
 
 
@@ -160,17 +170,20 @@ class KernelLoraStep:
 
 
 class KernelLoraStacker:
-    """Builds KernelLoraSteps; the tables are made once per set of adapters and reused while the same
-    adapters run in the same pages."""
+    """Builds KernelLoraSteps for the Triton kernels."""
 
     def __init__(self, residency: AdapterResidency):
         self.residency = residency
-        self._cached_key: tuple[tuple[str, ...], int] | None = None
-        self._cached: dict[str, LoraTables] = {}
+        self._tables = _PerAdapterSet(
+            residency,
+            lambda names: step_tables(
+                [residency.resident[n] for n in names], residency.base, residency.head_dim
+            ),
+        )
 
     def build(self, batch: StepBatch) -> KernelLoraStep | None:
         adapters = batch.token_adapters
-        names = tuple(dict.fromkeys(a for a in adapters if a is not None))
+        names = adapter_set(adapters)
         if not names:
             return None
         slot = {name: i for i, name in enumerate(names)}
@@ -191,12 +204,3 @@ class KernelLoraStacker:
                 max(seg.end - seg.start for seg in batch.prefills),
             )
         return KernelLoraStep(self.residency.pool_rows, self._tables(names), d, decode_slots, segments)
-
-    def _tables(self, names: tuple[str, ...]) -> dict[str, LoraTables]:
-        key = (names, self.residency.version)
-        if key != self._cached_key:
-            residency = self.residency
-            resident = [residency.resident[name] for name in names]
-            self._cached = step_tables(resident, residency.base, residency.head_dim)
-            self._cached_key = key
-        return self._cached
