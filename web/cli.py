@@ -1,5 +1,7 @@
 """`loraplex control-plane`: migrate the database and serve the control plane (wired into cli/main.py).
 
+`loraplex control-plane migrate` upgrades the database to the latest schema and exits (the Helm chart's
+migration hook runs it once per install or upgrade, so replicas start with --no-migrate and never race).
 `loraplex control-plane create-admin --email E --password-stdin` makes the console's first admin.
 """
 
@@ -21,6 +23,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--migrate-only", action="store_true", help="upgrade the database to the latest schema and exit"
     )
     actions = parser.add_subparsers(dest="action", metavar="ACTION", help="without one: serve")
+    actions.add_parser(
+        "migrate",
+        help="upgrade the database to the latest schema and exit",
+        description="Upgrade the database (LORAPLEX_DATABASE_URL) to the latest schema and exit.",
+    )
     admin = actions.add_parser(
         "create-admin",
         help="create a console admin (the first one, or another), after upgrading the database",
@@ -40,9 +47,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if getattr(args, "action", None) == "create-admin":
+    action = getattr(args, "action", None)
+    if action == "create-admin":
         return create_admin(args)
+    if action == "migrate":
+        return migrate()
     return serve(args)
+
+
+def migrate() -> int:
+    from .db.migrate import upgrade
+    from .settings import Settings
+
+    logging.basicConfig(level=logging.INFO)
+    settings = Settings()
+    if settings.database_url.startswith("sqlite"):
+        # Only SQLite lives under data_dir; a cluster's hook Job has a read-only root and Postgres.
+        settings.data_dir.mkdir(parents=True, exist_ok=True)
+    upgrade(settings.database_url)
+    return 0
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -53,12 +76,12 @@ def serve(args: argparse.Namespace) -> int:
     from .settings import Settings
 
     logging.basicConfig(level=logging.INFO)
+    if args.migrate_only:
+        return migrate()
     settings = Settings()
     settings.data_dir.mkdir(parents=True, exist_ok=True)
-    if not args.no_migrate or args.migrate_only:
+    if not args.no_migrate:
         upgrade(settings.database_url)
-    if args.migrate_only:
-        return 0
     uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level="info")
     return 0
 

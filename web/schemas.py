@@ -129,3 +129,7 @@ class UsageSummary(BaseModel):
 class Health(BaseModel):
     status: str
     database: bool
+
+
+class Liveness(BaseModel):
+    status: str

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 from pathlib import Path
 from typing import Any
 
@@ -71,13 +72,154 @@ def test_gpu_values_expose_the_control_plane_and_scope_the_operator() -> None:
     objects = render(values("gpu"))
     ingress = next(o for o in objects if o["kind"] == "Ingress")
     assert ingress["spec"]["tls"][0]["secretName"] == "llm-example-com-tls"
-    operator = next(
-        o for o in objects if o["kind"] == "Deployment" and o["metadata"]["name"].endswith("operator")
-    )
+    operator = deployment(objects, "operator")
     assert operator["spec"]["template"]["spec"]["containers"][0]["args"] == ["--namespace=loraplex"]
-    assert all(o["kind"] != "Secret" for o in objects)  # the database URL comes from the existing Secret
+    # The database URL comes from the existing Secret: the chart makes only the shared secrets.
+    assert [o["metadata"]["name"] for o in objects if o["kind"] == "Secret"] == ["loraplex-secrets"]
+    assert all(o["kind"] != "StatefulSet" for o in objects)
+    env = container_env(deployment(objects, "web"))
+    assert env["LORAPLEX_DATABASE_URL"]["valueFrom"]["secretKeyRef"] == {
+        "name": "loraplex-database",
+        "key": "url",
+    }
+    assert env["LORAPLEX_ADAPTER_STORE"]["value"] == "s3://loraplex-adapters/prod"
+    assert env["AWS_REGION"]["value"] == "us-east-1"
+    for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        assert env[key]["valueFrom"]["secretKeyRef"] == {"name": "loraplex-adapter-store", "key": key}
     migrate = next(o for o in objects if o["kind"] == "Job")
-    assert migrate["spec"]["template"]["spec"]["containers"][0]["command"] == ["alembic", "upgrade", "head"]
+    assert migrate["metadata"]["annotations"]["helm.sh/hook"] == "pre-install,pre-upgrade"
+
+
+def deployment(objects: list[dict[str, Any]], component: str) -> dict[str, Any]:
+    return next(o for o in objects if o["kind"] == "Deployment" and o["metadata"]["name"].endswith(component))
+
+
+def container_env(workload: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {e["name"]: e for e in workload["spec"]["template"]["spec"]["containers"][0]["env"]}
+
+
+SHARED_SECRETS = {
+    "LORAPLEX_KEY_PEPPER": "key-pepper",
+    "LORAPLEX_SESSION_SECRET": "session-secret",
+    "LORAPLEX_INTERNAL_TOKEN": "internal-token",
+    "LORAPLEX_ADMIN_TOKEN": "admin-token",
+}
+
+
+def test_every_web_replica_reads_the_same_generated_secrets() -> None:
+    objects = render(None)
+    secret = next(o for o in objects if o["kind"] == "Secret" and o["metadata"]["name"] == "loraplex-secrets")
+    assert set(secret["data"]) == set(SHARED_SECRETS.values())
+    assert secret["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    assert len(set(secret["data"].values())) == 4  # four independent random values
+    assert all(len(base64.b64decode(value)) == 48 for value in secret["data"].values())
+    env = container_env(deployment(objects, "web"))
+    for name, key in SHARED_SECRETS.items():
+        assert env[name]["valueFrom"]["secretKeyRef"] == {"name": "loraplex-secrets", "key": key}
+
+
+def test_an_existing_secret_replaces_the_generated_one() -> None:
+    objects = render({"secrets": {"existingSecret": "platform-secrets"}})
+    assert all(o["metadata"]["name"] != "loraplex-secrets" for o in objects if o["kind"] == "Secret")
+    env = container_env(deployment(objects, "web"))
+    assert {env[name]["valueFrom"]["secretKeyRef"]["name"] for name in SHARED_SECRETS} == {"platform-secrets"}
+
+
+def test_in_chart_postgres_is_wired_to_the_control_plane() -> None:
+    objects = render(None)  # postgresql.enabled is the evaluation default
+    postgres = next(o for o in objects if o["kind"] == "StatefulSet")
+    database = next(
+        o for o in objects if o["kind"] == "Secret" and o["metadata"]["name"] == "loraplex-database"
+    )
+    password = base64.b64decode(database["data"]["postgres-password"]).decode()
+    url = base64.b64decode(database["data"]["database-url"]).decode()
+    assert url == f"postgresql+psycopg://loraplex:{password}@loraplex-postgresql.loraplex.svc:5432/loraplex"
+    pg_env = {e["name"]: e for e in postgres["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert pg_env["POSTGRES_PASSWORD"]["valueFrom"]["secretKeyRef"]["name"] == "loraplex-database"
+    # The in-chart database does not exist before install: the migration runs after it.
+    migrate = next(o for o in objects if o["kind"] == "Job")
+    assert migrate["metadata"]["annotations"]["helm.sh/hook"] == "post-install,pre-upgrade"
+
+
+def test_an_external_database_url_becomes_a_secret() -> None:
+    url = "postgresql+psycopg://app:pw@db.example.com:5432/loraplex"
+    objects = render({"postgresql": {"enabled": False}, "database": {"url": url}})
+    database = next(
+        o for o in objects if o["kind"] == "Secret" and o["metadata"]["name"] == "loraplex-database"
+    )
+    assert base64.b64decode(database["data"]["database-url"]).decode() == url
+    assert all(o["kind"] != "StatefulSet" for o in objects)
+
+
+@pytest.mark.parametrize(
+    ("change", "words"),
+    [
+        ({"postgresql": {"enabled": False}}, "set database.existingSecret"),
+        ({"database": {"existingSecret": "db"}}, "set postgresql.enabled=false"),
+    ],
+)
+def test_a_missing_or_ambiguous_database_fails_with_a_reason(change: dict[str, Any], words: str) -> None:
+    with pytest.raises(helm.HelmError, match=words):
+        render(change)
+
+
+def test_web_liveness_is_livez_and_readiness_is_health() -> None:
+    container = deployment(render(None), "web")["spec"]["template"]["spec"]["containers"][0]
+    assert container["livenessProbe"]["httpGet"]["path"] == "/livez"
+    assert container["readinessProbe"]["httpGet"]["path"] == "/health"
+
+
+def test_extra_env_reaches_web_migration_and_operator() -> None:
+    extra = [{"name": "HTTPS_PROXY", "value": "http://proxy:3128"}]
+    objects = render({"web": {"extraEnv": extra}, "operator": {"extraEnv": extra}})
+    migrate = next(o for o in objects if o["kind"] == "Job")
+    for workload in (deployment(objects, "web"), deployment(objects, "operator"), migrate):
+        assert container_env(workload)["HTTPS_PROXY"] == extra[0]
+
+
+def test_discovery_rbac_reads_pods_in_each_listed_namespace_only() -> None:
+    objects = render({"web": {"discovery": {"namespaces": ["team-a", "team-b"]}}})
+    roles = [o for o in objects if o["kind"] == "Role"]
+    assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
+    for role in roles:
+        assert role["rules"] == [
+            {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}
+        ]
+    bindings = [o for o in objects if o["kind"] == "RoleBinding"]
+    assert sorted(b["metadata"]["namespace"] for b in bindings) == ["team-a", "team-b"]
+    for binding in bindings:
+        assert binding["subjects"] == [
+            {"kind": "ServiceAccount", "name": "loraplex-web", "namespace": "loraplex"}
+        ]
+    web = deployment(objects, "web")["spec"]["template"]["spec"]
+    assert web["serviceAccountName"] == "loraplex-web"
+    default = [o["metadata"]["namespace"] for o in render(None) if o["kind"] == "Role"]
+    assert default == ["loraplex"]
+
+
+def test_network_policy_lets_only_the_control_plane_and_operator_reach_engines() -> None:
+    prometheus = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
+    objects = render({"networkPolicy": {"extraFrom": [prometheus]}})
+    policy = next(o for o in objects if o["kind"] == "NetworkPolicy" and "engine" in o["metadata"]["name"])
+    assert policy["spec"]["podSelector"] == {"matchLabels": {"app.kubernetes.io/name": "loraplex-engine"}}
+    (rule,) = policy["spec"]["ingress"]
+    assert rule["ports"] == [{"port": 8000, "protocol": "TCP"}]
+    peers = [
+        p.get("podSelector", {}).get("matchLabels", {}).get("app.kubernetes.io/name") for p in rule["from"]
+    ]
+    assert peers == ["loraplex-web", "loraplex-operator", None]
+    assert rule["from"][2] == prometheus
+    for peer in rule["from"][:2]:
+        assert peer["namespaceSelector"] == {"matchLabels": {"kubernetes.io/metadata.name": "loraplex"}}
+        assert peer["podSelector"]["matchLabels"]["app.kubernetes.io/instance"] == "loraplex"
+    # The engine pods the operator makes carry the label the policy selects.
+    from loraplex.operator.resources import selector_labels
+    from loraplex.operator.spec import parse
+    from tests.operator.helpers import body
+
+    engine = selector_labels(parse(body()))
+    assert policy["spec"]["podSelector"]["matchLabels"].items() <= engine.items()
+    assert all(o["kind"] != "NetworkPolicy" for o in render({"networkPolicy": {"enabled": False}}))
 
 
 def test_operator_rbac_is_least_privilege() -> None:
