@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import math
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import select, update
 from sqlalchemy.orm import Session
+
+from loraplex.engine.server import limits
 
 from ..db.models import Adapter, AdapterStatus, Deployment
 from .adapters import find_adapter
@@ -88,9 +91,122 @@ def upstream_headers(target: Target, tenant_id: uuid.UUID, internal_token: str) 
     return headers
 
 
+# -- what a tenant's request body may hold --------------------------------------------------------------
+# The caps are the engine's own (engine/server/limits.py, torch-free), so a tenant meets the same limit at
+# the gateway as at the engine, and the gateway refuses before it spends a quota reservation on a request
+# the engine would refuse anyway.
+
+MAX_REQUEST_BODY_BYTES = limits.MAX_REQUEST_BODY_BYTES
+# The engine's reason for a failed adapter, as stored on the adapter row and shown to its tenant.
+MAX_ADAPTER_ERROR_CHARS = 1000
+
+
+class BadRequest(Exception):
+    """A request the gateway refuses before forwarding it: `param` names the field (OpenAI's `param`)."""
+
+    def __init__(self, param: str | None, message: str, status: int = 400, code: str | None = None):
+        super().__init__(message)
+        self.param, self.message, self.status, self.code = param, message, status, code
+
+
+def _refuse_constant(token: str) -> Any:
+    raise ValueError(f"{token} is not JSON")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e999 parses to inf
+        raise ValueError(f"{text[:32]} is not a finite number")
+    return value
+
+
+def parse_body(raw: bytes, limit: int = MAX_REQUEST_BODY_BYTES) -> dict[str, Any]:
+    """The JSON object a tenant sent, refusing what Python's json would let through: NaN, Infinity,
+    numbers that overflow to inf, nesting deep enough to recurse out, and bodies over `limit` bytes."""
+    if len(raw) > limit:
+        raise BadRequest(
+            None, f"request body is {len(raw)} bytes; at most {limit} are allowed", 413, "request_too_large"
+        )
+    try:
+        body = json.loads(raw, parse_constant=_refuse_constant, parse_float=_finite_float)
+    except RecursionError:
+        raise BadRequest(None, "request body is nested too deeply to be a request") from None
+    except ValueError as exc:  # JSONDecodeError, bad UTF-8, NaN, int past 4300 digits
+        raise BadRequest(None, f"request body is not valid JSON: {str(exc)[:200]}") from None
+    if not isinstance(body, dict):
+        raise BadRequest(None, "request body must be a JSON object")
+    return body
+
+
+def completion_limit(body: dict[str, Any], endpoint: str) -> int | None:
+    """The field that limits completion length on `endpoint`, exactly as the engine reads it
+    (engine/server/protocol.py): chat takes `max_completion_tokens`, else `max_tokens`; the legacy
+    completions endpoint only `max_tokens`."""
+    if endpoint == "chat/completions":
+        value = body.get("max_completion_tokens") or body.get("max_tokens")
+    else:
+        value = body.get("max_tokens")
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def check_caps(body: dict[str, Any], endpoint: str) -> None:
+    """Every cap of engine/server/limits.py on the fields this body holds; BadRequest naming the field."""
+    try:
+        limits.check_stop(body.get("stop"))
+        bias = body.get("logit_bias")
+        if bias is not None and not isinstance(bias, dict):
+            raise limits.LimitExceeded("logit_bias", "logit_bias must be an object of token ids to numbers")
+        limits.check_logit_bias(bias)
+        for name in ("n", "best_of"):
+            value = body.get(name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise limits.LimitExceeded(name, f"{name} must be an integer")
+            if name == "n":
+                limits.check_choices(value)
+            elif value is not None and value != 1:
+                raise limits.LimitExceeded("best_of", f"best_of is {value}; only 1 is supported")
+        for name in ("max_tokens", "max_completion_tokens"):
+            value = body.get(name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise limits.LimitExceeded(name, f"{name} must be an integer")
+            limits.check_completion_tokens(name, value)
+        if endpoint == "completions" and body.get("max_completion_tokens") is not None:
+            raise limits.LimitExceeded(
+                "max_completion_tokens",
+                "max_completion_tokens is a chat parameter; /v1/completions is limited by max_tokens",
+            )
+        if endpoint == "chat/completions":
+            messages = body.get("messages") or []
+            limits.check_chat_messages(len(messages))
+            limits.check_prompt_chars("messages", len(prompt_text(body)))
+        else:
+            prompt = body.get("prompt")
+            prompts = prompt if isinstance(prompt, list) else [prompt]
+            limits.check_prompt_tokens("prompt", len(prompts))
+            for item in prompts:
+                if isinstance(item, str):
+                    limits.check_prompt_chars("prompt", len(item))
+    except limits.LimitExceeded as exc:
+        raise BadRequest(exc.param, str(exc)) from None
+
+
+def set_completion_limit(body: dict[str, Any], endpoint: str, default: int) -> int:
+    """The most completion tokens this request can produce. A request that names no limit is given
+    `default` explicitly, so the engine stops where the gateway's reservation ends."""
+    limit = completion_limit(body, endpoint)
+    if limit is None:
+        body["max_tokens"] = limit = default
+    return limit
+
+
 def estimate_tokens(text: str) -> int:
-    """About four characters a token: what we count when the engine reports no usage."""
-    return max(1, (len(text) + 3) // 4) if text else 0
+    """Prompt tokens, estimated without the tokenizer: about four ASCII characters a token, and a token
+    for every other character (tokenizers split scripts outside ASCII much finer). The engine's exact
+    count replaces it when the request ends."""
+    if not text:
+        return 0
+    ascii_chars = sum(1 for c in text if c < "\x80")
+    return max(1, (ascii_chars + 3) // 4 + len(text) - ascii_chars)
 
 
 def prompt_text(body: dict[str, Any]) -> str:
@@ -109,25 +225,26 @@ def prompt_text(body: dict[str, Any]) -> str:
     return prompt if isinstance(prompt, str) else ""
 
 
-def reservation(body: dict[str, Any], default_max_tokens: int) -> int:
-    """Tokens to hold against tokens-per-minute while the request runs."""
-    limit = body.get("max_completion_tokens") or body.get("max_tokens") or default_max_tokens
-    limit = limit if isinstance(limit, int) and limit > 0 else default_max_tokens
-    return estimate_tokens(prompt_text(body)) + limit
+# Bytes of an SSE line the meter keeps while waiting for its end; the engine's lines are far shorter.
+_MAX_PENDING = 1 << 20
 
 
 @dataclass
 class Meter:
-    """Reads the engine's SSE stream as it passes: the final usage when sent, else a count of chunks."""
+    """Reads the engine's SSE stream as it passes: the final usage when sent, else a count of chunks,
+    and an error event (the engine reports an adapter's failure mid-stream that way)."""
 
     prompt_estimate: int
     usage: dict[str, int] | None = None
     chunks: int = 0
+    error: dict[str, Any] | None = None
     _pending: bytes = field(default=b"", repr=False)
 
     def feed(self, data: bytes) -> None:
         self._pending += data
         *lines, self._pending = self._pending.split(b"\n")
+        if len(self._pending) > _MAX_PENDING:
+            self._pending = b""
         for line in lines:
             line = line.strip()
             if not line.startswith(b"data:"):
@@ -137,14 +254,16 @@ class Meter:
                 continue
             try:
                 event = json.loads(payload)
-            except ValueError:
+            except (ValueError, RecursionError):
                 continue
             if isinstance(event, dict):
                 self._count(event)
 
     def _count(self, event: dict[str, Any]) -> None:
+        if isinstance(event.get("error"), dict):
+            self.error = event["error"]
         usage = event.get("usage")
-        if isinstance(usage, dict) and "completion_tokens" in usage:
+        if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
             self.usage = usage
         for choice in event.get("choices") or []:
             if not isinstance(choice, dict):
@@ -157,13 +276,56 @@ class Meter:
     def totals(self) -> tuple[int, int, bool]:
         """(prompt tokens, completion tokens, exact)."""
         if self.usage is not None:
-            return int(self.usage.get("prompt_tokens", 0)), int(self.usage.get("completion_tokens", 0)), True
+            prompt = self.usage.get("prompt_tokens", 0)
+            return (prompt if isinstance(prompt, int) else 0), int(self.usage["completion_tokens"]), True
         return self.prompt_estimate, self.chunks, False
 
 
 def usage_of_body(content: bytes) -> dict[str, int] | None:
     try:
         usage = json.loads(content).get("usage")
-    except (ValueError, AttributeError):
+    except (ValueError, AttributeError, RecursionError):
         return None
-    return usage if isinstance(usage, dict) else None
+    if not isinstance(usage, dict) or not all(
+        isinstance(usage.get(k), int) for k in ("prompt_tokens", "completion_tokens")
+    ):
+        return None
+    return usage
+
+
+# -- the engine's verdict on an adapter ------------------------------------------------------------------
+
+ADAPTER_FAILED = "adapter_failed"  # the adapter is at fault: marked failed, 422
+ADAPTER_UNAVAILABLE = "adapter_unavailable"  # the store is unreachable: nothing marked, 503
+
+
+def engine_error(content: bytes) -> dict[str, Any] | None:
+    """The `error` object of an engine's OpenAI error body, if it is one."""
+    try:
+        error = json.loads(content).get("error")
+    except (ValueError, AttributeError, RecursionError):
+        return None
+    return error if isinstance(error, dict) else None
+
+
+def adapter_error_text(error: dict[str, Any]) -> str:
+    """The engine's reason, as kept on the adapter row: one printable line of bounded length."""
+    message = error.get("message")
+    text = (
+        message if isinstance(message, str) and message.strip() else "the engine could not use this adapter"
+    )
+    text = "".join(c if c.isprintable() else " " for c in text[: MAX_ADAPTER_ERROR_CHARS * 2])
+    return " ".join(text.split())[:MAX_ADAPTER_ERROR_CHARS]
+
+
+def mark_adapter_failed(session: Session, sha256: str, reason: str) -> int:
+    """Every ready adapter with this digest is failed with the engine's reason (they are the same bytes,
+    and the engine now refuses the digest); returns how many rows changed."""
+    result = session.execute(
+        update(Adapter)
+        .where(Adapter.sha256 == sha256, Adapter.status == AdapterStatus.READY)
+        .values(status=AdapterStatus.FAILED, error=reason)
+        .execution_options(synchronize_session=False)
+    )
+    session.commit()
+    return int(getattr(result, "rowcount", 0) or 0)

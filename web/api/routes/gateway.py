@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Annotated, Any
 
 import anyio
@@ -14,7 +17,8 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.exception_handlers import request_validation_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.types import Receive, Scope, Send
 
 from ...db.session import Database
 from ...schemas import PRINTABLE
@@ -27,6 +31,9 @@ from ..deps import Credentials, principal_of
 log = logging.getLogger("loraplex.web.gateway")
 router = APIRouter(prefix="/v1", tags=["gateway"])
 
+# How often an in-flight request looks whether a new minute began (to carry its reservation into it).
+ROLL_CHECK_S = 0.5
+
 
 class OpenAIError(Exception):
     def __init__(
@@ -36,25 +43,33 @@ class OpenAIError(Exception):
         kind: str,
         code: str | None = None,
         headers: dict[str, str] | None = None,
+        param: str | None = None,
     ):
         super().__init__(message)
         self.status, self.message, self.kind, self.code, self.headers = status, message, kind, code, headers
+        self.param = param
 
 
-def _error_response(status: int, message: str, kind: str, code: str | None = None, **kw: Any) -> JSONResponse:
-    body = {"error": {"message": message, "type": kind, "param": None, "code": code}}
+def _error_response(
+    status: int, message: str, kind: str, code: str | None = None, param: str | None = None, **kw: Any
+) -> JSONResponse:
+    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
     return JSONResponse(body, status_code=status, **kw)
 
 
 async def _openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
-    return _error_response(exc.status, exc.message, exc.kind, exc.code, headers=exc.headers)
+    return _error_response(exc.status, exc.message, exc.kind, exc.code, exc.param, headers=exc.headers)
+
+
+def _field_of(error: Any) -> str:
+    return ".".join(str(p) for p in error.get("loc", ()) if p != "body")
 
 
 async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
     if request.url.path.startswith("/v1/"):
         first = exc.errors()[0] if exc.errors() else {"msg": "invalid request", "loc": ()}
-        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-        return _error_response(400, f"{where}: {first.get('msg')}", "invalid_request_error")
+        where = _field_of(first)
+        return _error_response(400, f"{where}: {first.get('msg')}", "invalid_request_error", param=where)
     return await request_validation_exception_handler(request, exc)
 
 
@@ -79,21 +94,47 @@ async def gateway_principal(request: Request, credentials: Credentials) -> Princ
 GatewayTenant = Annotated[Principal, Depends(gateway_principal)]
 
 
+def _bad_request(exc: gateway.BadRequest) -> OpenAIError:
+    return OpenAIError(exc.status, exc.message, "invalid_request_error", exc.code, param=exc.param)
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="allow")
     model: str = Field(
         min_length=1, max_length=256, pattern=PRINTABLE, description="An adapter of yours, or a base model."
     )
     stream: bool = False
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1, le=gateway.limits.MAX_COMPLETION_TOKENS)
 
 
 class ChatCompletionRequest(_Request):
-    messages: list[dict[str, Any]] = Field(min_length=1)
+    messages: list[dict[str, Any]] = Field(min_length=1, max_length=gateway.limits.MAX_CHAT_MESSAGES)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=gateway.limits.MAX_COMPLETION_TOKENS)
 
 
 class CompletionRequest(_Request):
     prompt: str | list[str]
+
+
+def _documented(model: type[BaseModel]) -> dict[str, Any]:
+    """The body's schema for /openapi.json: the route reads the body itself (to bound it first)."""
+    schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+async def _body(request: Request, model: type[_Request]) -> dict[str, Any]:
+    """The tenant's JSON, bounded and strictly parsed (no NaN, no inf), validated by `model`; what is
+    forwarded is the validated dump, so a "5" for max_tokens reaches the engine as 5."""
+    try:
+        raw = gateway.parse_body(await request.body())
+        parsed = model.model_validate(raw)
+    except gateway.BadRequest as exc:
+        raise _bad_request(exc) from None
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = _field_of(first) or "body"
+        raise OpenAIError(400, f"{where}: {first.get('msg')}", "invalid_request_error", param=where) from None
+    return parsed.model_dump(exclude_unset=True)
 
 
 @router.get("/models")
@@ -107,36 +148,116 @@ async def list_models(request: Request, principal: GatewayTenant) -> dict[str, A
     return {"object": "list", "data": await run_in_threadpool(load)}
 
 
-@router.post("/chat/completions", response_model=None)
-async def chat_completions(
-    body: ChatCompletionRequest, request: Request, principal: GatewayTenant
-) -> Response:
-    return await proxy(request, principal, body.model_dump(exclude_unset=True), "chat/completions")
+@router.post("/chat/completions", response_model=None, openapi_extra=_documented(ChatCompletionRequest))
+async def chat_completions(request: Request, principal: GatewayTenant) -> Response:
+    body = await _body(request, ChatCompletionRequest)
+    return await proxy(request, principal, body, "chat/completions")
 
 
-@router.post("/completions", response_model=None)
-async def completions(body: CompletionRequest, request: Request, principal: GatewayTenant) -> Response:
-    return await proxy(request, principal, body.model_dump(exclude_unset=True), "completions")
+@router.post("/completions", response_model=None, openapi_extra=_documented(CompletionRequest))
+async def completions(request: Request, principal: GatewayTenant) -> Response:
+    body = await _body(request, CompletionRequest)
+    return await proxy(request, principal, body, "completions")
 
 
 class _Call:
-    """One gateway request's bookkeeping: its admission, and the usage row written when it ends."""
+    """One gateway request's bookkeeping: its admission, the minutes its tokens are charged to, and the
+    usage row written when it ends (exactly once, however it ends)."""
 
-    def __init__(self, db: Database, principal: Principal, target: gateway.Target, endpoint: str):
+    def __init__(
+        self,
+        db: Database,
+        principal: Principal,
+        target: gateway.Target,
+        endpoint: str,
+        clock: Callable[[], float],
+    ):
         self.db, self.principal, self.target, self.endpoint = db, principal, target, endpoint
+        self.clock = clock
         self.started = time.monotonic()
-        self.admission = quotas.Admission(minute=None, reserved=0)
+        self.started_at = clock()
+        self.ledger: quotas.Ledger | None = None
+        self.adapter_error: str | None = None  # the engine's reason, when it failed this adapter
+        self._ticker: asyncio.Task[None] | None = None
+        self._finished = False
 
-    def admit(self, reserve: int) -> None:
+    def admit(self, prompt_tokens: int, completion_limit: int) -> None:
         with self.db.session() as session:
             quota = quota_of(session, self.principal.tenant_id)
-            self.admission = quotas.admit(session, self.principal.tenant_id, quota, reserve)
+            self.ledger = quotas.admit(
+                session, self.principal.tenant_id, quota, prompt_tokens, completion_limit, self.clock()
+            )
 
-    def finish(self, status: str, prompt: int, completion: int, exact: bool) -> None:
-        """Record usage and settle the reservation; never raises (the response is already decided)."""
+    def start_ticker(self) -> None:
+        """On the event loop, once admitted: follow the minutes while the request runs."""
+        if self.ledger is not None and self.ledger.counted:
+            self._ticker = asyncio.get_running_loop().create_task(self._tick())
+
+    def produce(self, tokens: int) -> None:
+        if self.ledger is not None:
+            self.ledger.produce(tokens, self.clock())
+
+    async def _tick(self) -> None:
+        """Carries what the request may still produce into each new minute as the clock passes one."""
+        minute = quotas.minute_of(self.clock())
+        while True:
+            await anyio.sleep(ROLL_CHECK_S)
+            now = self.clock()
+            if quotas.minute_of(now) != minute:
+                minute = quotas.minute_of(now)
+                # Shielded: the write and the ledger's note of it must not be split by a cancellation.
+                with anyio.CancelScope(shield=True):
+                    await self._write_ledger(now, final=False)
+
+    async def _write_ledger(self, now: float, final: bool) -> bool:
+        assert self.ledger is not None
+        changes = self.ledger.pending(now, final)  # computed here, on the loop that feeds the ledger
+        if not changes:
+            return True
+        written = await run_in_threadpool(self._apply, changes, now)
+        if written:
+            self.ledger.commit(changes)
+        return written
+
+    def _apply(self, changes: dict[int, int], now: float) -> bool:
         try:
             with self.db.session() as session:
-                quotas.settle(session, self.principal.tenant_id, self.admission, prompt + completion)
+                quotas.apply(session, self.principal.tenant_id, changes, now)
+            return True
+        except Exception:
+            log.exception(
+                "could not update the quota ledger", extra={"tenant": str(self.principal.tenant_id)}
+            )
+            return False
+
+    async def finish(
+        self, status: str, prompt: int, completion: int, exact: bool, produced_at_end: bool = False
+    ) -> None:
+        """Settle the quota and record usage; never raises (the response is already decided).
+
+        `produced_at_end`: the completion came in one piece (not streamed), so its tokens are spread
+        over the minutes the request took rather than known minute by minute."""
+        if self._finished:
+            return
+        self._finished = True
+        with anyio.CancelScope(shield=True):
+            if self._ticker is not None:
+                self._ticker.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await self._ticker
+            now = self.clock()
+            if self.ledger is not None:
+                if produced_at_end:
+                    self.ledger.spread(completion, self.started_at, now)
+                self.ledger.settle_exact(prompt, completion, now)
+                await self._write_ledger(now, final=True)
+            await run_in_threadpool(self._record, status, prompt, completion, exact)
+
+    def _record(self, status: str, prompt: int, completion: int, exact: bool) -> None:
+        try:
+            with self.db.session() as session:
+                if self.adapter_error is not None and self.target.adapter_sha256:
+                    gateway.mark_adapter_failed(session, self.target.adapter_sha256, self.adapter_error)
                 usage.record(
                     session,
                     usage.Usage(
@@ -157,11 +278,15 @@ class _Call:
 
 
 async def proxy(request: Request, principal: Principal, body: dict[str, Any], endpoint: str) -> Response:
-    """Serve one OpenAI request for `principal`: resolve the model, admit it against the quotas, forward it
-    to a replica (streams relayed as they come) and record its usage. The console's playground uses it
-    too, so both paths account the same way."""
+    """Serve one OpenAI request for `principal`: check its caps, resolve the model, admit it against the
+    quotas, forward it to a replica (streams relayed as they come) and record its usage. The console's
+    playground uses it too, so both paths account the same way."""
     app = request.app
     db: Database = app.state.db
+    try:
+        gateway.check_caps(body, endpoint)
+    except gateway.BadRequest as exc:
+        raise _bad_request(exc) from None
     model = body["model"]
 
     def resolve() -> gateway.Target | None:
@@ -177,10 +302,17 @@ async def proxy(request: Request, principal: Principal, body: dict[str, Any], en
     if streaming:
         options = body.get("stream_options")
         body["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
+    limit = gateway.set_completion_limit(body, endpoint, app.state.settings.default_max_tokens)
+    content = json.dumps(body, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
+    if len(content) > gateway.MAX_REQUEST_BODY_BYTES:
+        raise _bad_request(
+            gateway.BadRequest(None, "request body is too large to forward", 413, "request_too_large")
+        )
+    prompt_estimate = gateway.estimate_tokens(gateway.prompt_text(body))
 
-    call = _Call(db, principal, target, endpoint)
+    call = _Call(db, principal, target, endpoint, getattr(app.state, "clock", time.time))
     try:
-        await run_in_threadpool(call.admit, gateway.reservation(body, app.state.settings.default_max_tokens))
+        await run_in_threadpool(call.admit, prompt_estimate, limit)
     except QuotaExceeded as exc:
         raise OpenAIError(
             429,
@@ -189,15 +321,37 @@ async def proxy(request: Request, principal: Principal, body: dict[str, Any], en
             "rate_limit_exceeded",
             headers={"Retry-After": str(exc.retry_after)},
         ) from None
-    prompt_estimate = gateway.estimate_tokens(gateway.prompt_text(body))
-    headers = gateway.upstream_headers(target, principal.tenant_id, app.state.engine_token)
+    except quotas.TooLargeForQuota as exc:
+        raise OpenAIError(
+            400, exc.message, "invalid_request_error", "request_too_large", param="max_tokens"
+        ) from None
+    call.start_ticker()
     try:
-        upstream = await _open(app, target, endpoint, body, headers)
+        return await _forward(app, call, target, endpoint, content, streaming, prompt_estimate)
+    except BaseException:
+        # Refused, failed or cancelled before a streamed response took the call over: settle it here
+        # (a no-op when it was already settled), so the reservation is never left standing.
+        await call.finish("client_disconnected", prompt_estimate, 0, False)
+        raise
+
+
+async def _forward(
+    app: FastAPI,
+    call: _Call,
+    target: gateway.Target,
+    endpoint: str,
+    content: bytes,
+    streaming: bool,
+    prompt_estimate: int,
+) -> Response:
+    headers = gateway.upstream_headers(target, call.principal.tenant_id, app.state.engine_token)
+    try:
+        upstream = await _open(app, target, endpoint, content, headers)
     except httpx.TimeoutException:
-        await run_in_threadpool(call.finish, "engine_timeout", 0, 0, True)
+        await call.finish("engine_timeout", 0, 0, True)
         raise OpenAIError(504, "The engine did not answer in time; retry later.", "server_error") from None
     except httpx.HTTPError:
-        await run_in_threadpool(call.finish, "no_replica", 0, 0, True)
+        await call.finish("no_replica", 0, 0, True)
         raise OpenAIError(
             503,
             f"No engine replica of {target.base_model} is reachable; retry later.",
@@ -205,37 +359,54 @@ async def proxy(request: Request, principal: Principal, body: dict[str, Any], en
             headers={"Retry-After": "5"},
         ) from None
 
-    if upstream.status_code >= 400 or not streaming:
-        try:
-            content = await upstream.aread()
-        finally:
-            await upstream.aclose()
-        if upstream.status_code >= 400:
-            await run_in_threadpool(call.finish, f"engine_{upstream.status_code}", 0, 0, True)
-        else:
-            counted = gateway.usage_of_body(content)
-            exact = counted is not None
-            prompt = int(counted.get("prompt_tokens", 0)) if counted else prompt_estimate
-            completion = int(counted.get("completion_tokens", 0)) if counted else 0
-            await run_in_threadpool(call.finish, "ok", prompt, completion, exact)
-        media = upstream.headers.get("content-type", "application/json")
-        return Response(content, status_code=upstream.status_code, media_type=media)
+    if upstream.status_code < 400 and streaming:
+        return _Relay(upstream, call, gateway.Meter(prompt_estimate))
+    try:
+        answer = await upstream.aread()
+    except httpx.TimeoutException:
+        await call.finish("engine_timeout", prompt_estimate, 0, False)
+        raise OpenAIError(504, "The engine did not answer in time; retry later.", "server_error") from None
+    except httpx.HTTPError:
+        await call.finish("engine_error", prompt_estimate, 0, False)
+        raise OpenAIError(502, "The engine's answer broke off; retry later.", "server_error") from None
+    finally:
+        await upstream.aclose()
+    if upstream.status_code >= 400:
+        return await _engine_refused(call, upstream, answer)
+    counted = gateway.usage_of_body(answer)
+    if counted is not None:
+        await call.finish("ok", counted["prompt_tokens"], counted["completion_tokens"], True, True)
+    else:
+        await call.finish("ok_estimated", prompt_estimate, 0, False, True)
+    media = upstream.headers.get("content-type", "application/json")
+    return Response(answer, status_code=upstream.status_code, media_type=media)
 
-    return StreamingResponse(
-        _relay(upstream, call, gateway.Meter(prompt_estimate)),
-        media_type="text/event-stream",
-        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-    )
+
+async def _engine_refused(call: _Call, upstream: httpx.Response, answer: bytes) -> Response:
+    """The engine answered an error before generating: nothing was produced. An adapter at fault is
+    marked failed (422); a store the engine cannot reach is the platform's trouble (503), not the
+    adapter's; anything else goes back as the engine said it."""
+    error = gateway.engine_error(answer) or {}
+    status, headers = upstream.status_code, None
+    if error.get("code") == gateway.ADAPTER_FAILED and call.target.adapter_sha256:
+        call.adapter_error = gateway.adapter_error_text(error)
+        status = 422
+    elif error.get("code") == gateway.ADAPTER_UNAVAILABLE:
+        status, headers = 503, {"Retry-After": "5"}
+    await call.finish(f"engine_{upstream.status_code}", 0, 0, True)
+    media = upstream.headers.get("content-type", "application/json")
+    return Response(answer, status_code=status, media_type=media, headers=headers)
 
 
 async def _open(
-    app: FastAPI, target: gateway.Target, endpoint: str, body: dict[str, Any], headers: dict[str, str]
+    app: FastAPI, target: gateway.Target, endpoint: str, content: bytes, headers: dict[str, str]
 ) -> httpx.Response:
     """Send to the preferred replica for the adapter; on a refused connection, the next one."""
     client: httpx.AsyncClient = app.state.http
     last: httpx.HTTPError = httpx.ConnectError("the deployment has no endpoints")
+    headers = {**headers, "Content-Type": "application/json"}
     for replica in app.state.router.order(target.affinity_key, target.endpoints):
-        request = client.build_request("POST", f"{replica}/v1/{endpoint}", json=body, headers=headers)
+        request = client.build_request("POST", f"{replica}/v1/{endpoint}", content=content, headers=headers)
         try:
             response = await client.send(request, stream=True)
         except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
@@ -248,22 +419,57 @@ async def _open(
     raise last
 
 
-async def _relay(upstream: httpx.Response, call: _Call, meter: gateway.Meter) -> AsyncIterator[bytes]:
-    """Pass each chunk on as it arrives (no buffering); record usage however the stream ends."""
-    status = "client_disconnected"
-    try:
-        async for chunk in upstream.aiter_raw():
-            meter.feed(chunk)
-            yield chunk
-        status = "ok"
-    except httpx.HTTPError:
-        status = "engine_error"
-        yield b'data: {"error": {"message": "the engine stream broke off", "type": "server_error"}}\n\n'
-    finally:
-        # Runs on cancellation too (client gone): shielded so the record is written regardless.
-        with anyio.CancelScope(shield=True):
-            await upstream.aclose()
-            prompt, completion, exact = meter.totals()
-            if status == "ok" and not exact:
-                status = "ok_estimated"
-            await run_in_threadpool(call.finish, status, prompt, completion, exact)
+ENGINE_BROKE_OFF = (
+    b'data: {"error": {"message": "the engine stream broke off; the tokens sent so far are counted", '
+    b'"type": "server_error", "param": null, "code": "engine_error"}}\n\n'
+)
+
+
+class _Relay(StreamingResponse):
+    """The engine's SSE stream, passed on chunk by chunk as it arrives (no buffering). The call is
+    settled when the response ends, however it ends: done, engine gone, client gone, or cancelled."""
+
+    def __init__(self, upstream: httpx.Response, call: _Call, meter: gateway.Meter):
+        self.upstream, self.call, self.meter = upstream, call, meter
+        self.status = "client_disconnected"
+        super().__init__(
+            self._chunks(),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+
+    async def _chunks(self) -> AsyncIterator[bytes]:
+        counted = 0
+        try:
+            async for chunk in self.upstream.aiter_raw():
+                self.meter.feed(chunk)
+                self.call.produce(self.meter.chunks - counted)
+                counted = self.meter.chunks
+                yield chunk
+            self.status = "ok"
+        except httpx.HTTPError:
+            self.status = "engine_error"
+            yield ENGINE_BROKE_OFF
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.upstream.aclose()
+                await self._settle()
+
+    async def _settle(self) -> None:
+        prompt, completion, exact = self.meter.totals()
+        status = self.status
+        error = self.meter.error
+        if (
+            error is not None
+            and error.get("code") == gateway.ADAPTER_FAILED
+            and self.call.target.adapter_sha256
+        ):
+            self.call.adapter_error = gateway.adapter_error_text(error)
+            status = "adapter_failed"
+        elif status == "ok" and not exact:
+            status = "ok_estimated"
+        await self.call.finish(status, prompt, completion, exact)
