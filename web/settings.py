@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import secrets
+from ipaddress import IPv4Network, IPv6Network
 from pathlib import Path
 
 from pydantic import Field, SecretStr, model_validator
@@ -26,8 +27,9 @@ class Settings(BaseSettings):
     engine_read_timeout_s: float = Field(default=300.0, gt=0)
     # A replica that refused a connection is skipped for this long before it is tried again.
     endpoint_cooldown_s: float = Field(default=10.0, ge=0)
-    # Tokens reserved against tokens-per-minute when a request names no max_tokens.
-    default_max_tokens: int = Field(default=256, gt=0)
+    # The completion limit of a gateway request that names none: forwarded to the engine as max_tokens,
+    # so the tokens-per-minute reservation (prompt + this) bounds what the request can produce.
+    default_max_tokens: int = Field(default=256, gt=0, le=65_536)
     # The console: the key that signs its cookies, how long a sign-in lasts, and sign-in throttling
     # (this many failures per email within the window lock that email until the window ends; a
     # client address gets four times as many).
@@ -35,6 +37,10 @@ class Settings(BaseSettings):
     session_hours: float = Field(default=12.0, gt=0)
     sign_in_max_failures: int = Field(default=5, ge=1)
     sign_in_window_s: float = Field(default=900.0, gt=0)
+    # Reverse proxies (comma-separated CIDRs) whose client-address header is believed: sign-in throttling
+    # counts the right-most hop of that header that is not one of them. Empty: the TCP peer is the client.
+    trusted_proxies: str = ""
+    client_address_header: str = Field(default="X-Forwarded-For", min_length=1, max_length=64)
     # Secure cookies: None sends them Secure exactly when the request came over https.
     secure_cookies: bool | None = None
 
@@ -45,6 +51,19 @@ class Settings(BaseSettings):
         if self.artifact_root is None:
             self.artifact_root = self.data_dir / "artifacts"
         return self
+
+    @model_validator(mode="after")
+    def _trusted_proxies_are_networks(self) -> Settings:
+        try:
+            self.trusted_networks()
+        except ValueError as exc:
+            raise ValueError(f"LORAPLEX_TRUSTED_PROXIES: {exc}") from None
+        return self
+
+    def trusted_networks(self) -> tuple[IPv4Network | IPv6Network, ...]:
+        from .services.client_address import parse_networks
+
+        return parse_networks(c for c in self.trusted_proxies.split(",") if c.strip())
 
     def pepper(self) -> bytes:
         return _secret(self.key_pepper, self.data_dir / "key_pepper").encode()

@@ -11,6 +11,8 @@ from fastapi.responses import RedirectResponse, Response
 
 from ..api.deps import SessionDep, SettingsDep
 from ..services import console_sessions, sign_in_throttle, users
+from ..services.client_address import client_address as client_address_of
+from ..settings import Settings
 from .rendering import redirect, render
 from .security import current_user, security_of, verify_csrf
 
@@ -43,6 +45,13 @@ async def sign_in_page(request: Request, next: str | None = None) -> Response:
     return render(request, "sign_in.html", {"title": "Sign in", "next": safe_next(next) or ""})
 
 
+def client_address(request: Request, settings: Settings) -> str | None:
+    """The signing-in client's address, through the trusted proxies' header when the peer is one."""
+    peer = request.client.host if request.client else None
+    forwarded = ",".join(request.headers.getlist(settings.client_address_header))
+    return client_address_of(peer, forwarded, settings.trusted_networks())
+
+
 @router.post("/console/sign-in")
 def sign_in(
     request: Request,
@@ -55,11 +64,12 @@ def sign_in(
     policy = sign_in_throttle.Policy(
         settings.sign_in_max_failures, dt.timedelta(seconds=settings.sign_in_window_s)
     )
-    address = request.client.host if request.client else None
+    address = client_address(request, settings)
     limits = sign_in_throttle.subjects(email, address, policy)
     context = {"title": "Sign in", "next": safe_next(next) or "", "email": email}
 
-    wait = sign_in_throttle.retry_after(session, limits, policy)
+    # The attempt is counted before the password is checked, so parallel guesses cannot all pass.
+    wait = sign_in_throttle.reserve(session, limits, policy)
     if wait is not None:
         log.warning("console sign-in throttled", extra={"email": email[:320], "address": address})
         minutes = max(1, round(wait / 60))
@@ -69,12 +79,12 @@ def sign_in(
         return locked
 
     user = users.verify(session, email, password)
+    session.commit()  # ends verify's read, so the throttle's next write starts a fresh transaction
     if user is None:
-        sign_in_throttle.record_failure(session, limits, policy)
         log.info("console sign-in failed", extra={"email": email[:320], "address": address})
         # One message for an unknown email and a wrong password: the form does not reveal who has an account.
         return render(request, "sign_in.html", {**context, "error": "Wrong email or password."}, 401)
-    sign_in_throttle.clear(session, users.normalize_email(email))
+    sign_in_throttle.succeeded(session, limits)
     if not user.can_sign_in:
         error = "This account is disabled" + (" (its tenant is disabled)" if user.tenant_disabled else "")
         return render(request, "sign_in.html", {**context, "error": error + ". Ask an admin."}, 403)

@@ -214,10 +214,12 @@ class ConsoleSession(Base):
 
 
 class SignInFailures(Base):
-    """Failed sign-ins of one subject (an email or a client address) in its current window."""
+    """Sign-in attempts of one subject (an email or a client address) in its current window: each is
+    counted before its password is checked; a successful one is given back."""
 
     __tablename__ = "sign_in_failures"
 
     subject: Mapped[str] = mapped_column(String(400), primary_key=True)
-    window_started_at: Mapped[dt.datetime]
+    # Indexed: every sign-in attempt sweeps the windows that have ended.
+    window_started_at: Mapped[dt.datetime] = mapped_column(index=True)
     failures: Mapped[int] = mapped_column(default=0)
