@@ -1,6 +1,7 @@
 """Inspect a PEFT LoRA directory against a base model: what it adapts, at which ranks, and its identity.
 
-The sha256 of adapter_model.safetensors is the adapter's identity everywhere (store, engine, database).
+The digest of the whole adapter (config and weights, adapters/digest.py) is its identity everywhere
+(store, engine, database).
 Torch-free, so the control plane validates uploads with exactly the checks the engine relies on.
 """
 
@@ -11,6 +12,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from .digest import adapter_digest
 from .errors import AdapterError
 from .peft_config import CONFIG_FILE, LoraConfig, read_config
 from .safetensors_header import FLOAT_DTYPES, read_header
@@ -128,7 +130,7 @@ def inspect_adapter(directory: str | Path, base: BaseShape) -> AdapterManifest:
         raise AdapterError(f"{found[(layer, module, part)][0]} is not targeted by adapter_config.json")
     dtypes = sorted({info.dtype for info in tensors.values()})
     return AdapterManifest(
-        sha256=sha256_of(weights),
+        sha256=adapter_digest(directory),  # the whole adapter's identity: config and weights
         config=config,
         modules=tuple(modules),
         weights_bytes=weights.stat().st_size,

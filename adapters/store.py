@@ -1,27 +1,67 @@
-"""The artifact store: where adapter directories live, addressed by URI.
+"""The artifact store: whole adapters addressed by their digest, behind one protocol.
 
-`put` stores a validated adapter under its sha256 and returns its URI; `fetch` returns a local directory
-for a URI and re-checks the weights' hash, so a replaced or corrupted artifact never reaches a model.
-Local paths and file:// URIs today; an S3 implementation plugs in behind the same protocol.
+Layout everywhere: `<root or s3 prefix>/<digest>/` holding adapter_config.json and
+adapter_model.safetensors. The control plane puts and deletes; engines only fetch, and every fetch
+re-checks the digest, so a replaced or corrupted artifact never reaches a model. `open_store` picks the
+implementation from the URI of LORAPLEX_ADAPTER_STORE: a path or file:// (one machine) or s3://bucket/prefix
+(any S3-compatible service).
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 from pathlib import Path
 from typing import Protocol
 from urllib.parse import unquote, urlparse
 
+from .digest import ADAPTER_FILES, check_digest, is_digest
 from .errors import AdapterError
-from .manifest import WEIGHTS_FILE, sha256_of
-from .peft_config import CONFIG_FILE
+
+
+class StoreUnavailable(RuntimeError):
+    """The store could not be reached or refused our credentials: not the adapter's fault, retry later."""
 
 
 class ArtifactStore(Protocol):
-    def put(self, directory: Path, sha256: str) -> str: ...
+    @property
+    def location(self) -> str:
+        """Where the store is, for messages (no credentials in it)."""
+        ...
 
-    def fetch(self, uri: str, sha256: str | None = None) -> Path: ...
+    def uri_of(self, digest: str) -> str:
+        """The URI an adapter with `digest` has (or will have) in this store."""
+        ...
+
+    def put(self, directory: Path, digest: str) -> str:
+        """Store the adapter in `directory` under `digest` (checked first) and return its URI."""
+        ...
+
+    def fetch(self, uri: str, digest: str) -> Path:
+        """A local directory holding the adapter at `uri`, verified to have `digest` (every time).
+        AdapterError: nothing there, outside this store, or other content; StoreUnavailable: try later."""
+        ...
+
+    def delete(self, uri: str) -> None:
+        """Remove the adapter at `uri`; removing one that is gone already is not an error."""
+        ...
+
+    def check(self) -> None:
+        """Raise StoreUnavailable, saying why, unless the store can be reached and written now."""
+        ...
+
+
+def open_store(uri: str, *, endpoint_url: str | None = None, cache_dir: Path | None = None) -> ArtifactStore:
+    """The store that `uri` names: a directory (path or file://) or an S3 bucket (s3://bucket/prefix).
+    `cache_dir` is where an S3 store's fetches land (the engine's side); `endpoint_url` points boto3 at
+    MinIO, Ceph or any other S3-compatible service."""
+    scheme = urlparse(uri).scheme
+    if scheme == "s3":
+        from .s3_store import S3ArtifactStore  # boto3 is imported only by stores that need it
+
+        return S3ArtifactStore.from_uri(uri, endpoint_url=endpoint_url, cache_dir=cache_dir)
+    return LocalArtifactStore(local_path(uri))
 
 
 def local_path(uri: str) -> Path:
@@ -34,42 +74,103 @@ def local_path(uri: str) -> Path:
             )
         return Path(unquote(parsed.path))
     if parsed.scheme and len(parsed.scheme) > 1:  # one letter is a Windows drive, not a scheme
-        raise AdapterError(f"artifact URI scheme {parsed.scheme!r} is not supported (use a path or file://)")
+        raise AdapterError(
+            f"artifact URI scheme {parsed.scheme!r} is not supported here (use a path, file:// or s3://)"
+        )
     return Path(uri)
 
 
 class LocalArtifactStore:
-    """Adapters as directories under `root`, one per sha256: root/<sha256>/{config, weights}."""
+    """Adapters as directories under `root`, one per digest: root/<digest>/{config, weights}."""
 
     def __init__(self, root: str | Path):
         self.root = Path(root)
 
-    def put(self, directory: Path, sha256: str) -> str:
-        target = self.root / sha256
-        if not target.is_dir():
-            self.root.mkdir(parents=True, exist_ok=True)
-            # Copy into a sibling first and rename: a reader never sees half an adapter.
-            staging = Path(tempfile.mkdtemp(prefix=f".{sha256}.", dir=self.root))
+    @property
+    def location(self) -> str:
+        return str(self.root)
+
+    def uri_of(self, digest: str) -> str:
+        _require_digest(digest)
+        return (self.root / digest).resolve().as_uri()
+
+    def put(self, directory: Path, digest: str) -> str:
+        _require_digest(digest)
+        target = self.root / digest
+        if target.is_dir():
             try:
-                for name in (CONFIG_FILE, WEIGHTS_FILE):
-                    shutil.copyfile(directory / name, staging / name)
-                staging.rename(target)
-            except OSError:
-                shutil.rmtree(staging, ignore_errors=True)
-                if not target.is_dir():
-                    raise
+                check_digest(target, digest)
+                return target.resolve().as_uri()
+            except AdapterError:  # damaged since it was stored: replace it with the good copy below
+                self._remove(target)
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            # Copy into a sibling, check the copy, then rename: a reader never sees half an adapter, and a
+            # digest that does not describe `directory` never names an artifact.
+            staging = Path(tempfile.mkdtemp(prefix=f".{digest}.", dir=self.root))
+        except OSError as exc:
+            raise StoreUnavailable(f"artifact store {self.root} cannot be written: {exc.strerror}") from exc
+        try:
+            for name in ADAPTER_FILES:
+                shutil.copyfile(Path(directory) / name, staging / name)
+            check_digest(staging, digest)
+            staging.rename(target)
+        except OSError as exc:
+            shutil.rmtree(staging, ignore_errors=True)
+            if not target.is_dir():  # a concurrent put of the same digest won the rename: that is fine
+                raise StoreUnavailable(f"artifact store {self.root} cannot be written: {exc}") from exc
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
         return target.resolve().as_uri()
 
-    def fetch(self, uri: str, sha256: str | None = None) -> Path:
-        return fetch_local(uri, sha256)
+    def fetch(self, uri: str, digest: str) -> Path:
+        path = self._inside(uri)
+        return fetch_local(path.as_uri(), digest)
+
+    def delete(self, uri: str) -> None:
+        path = self._inside(uri)
+        if path.is_dir():
+            self._remove(path)
+
+    def check(self) -> None:
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StoreUnavailable(f"artifact store {self.root} cannot be created: {exc.strerror}") from exc
+        if not os.access(self.root, os.W_OK | os.X_OK):
+            raise StoreUnavailable(f"artifact store {self.root} is not writable by this process")
+
+    def _inside(self, uri: str) -> Path:
+        """The path `uri` names, refused unless it lies under the root (no `..` or symlink escapes)."""
+        path = local_path(uri)
+        root = self.root.resolve()
+        resolved = path.resolve()
+        if resolved == root or not resolved.is_relative_to(root):
+            raise AdapterError(f"{uri} is outside the artifact store {self.root}: refusing it")
+        return resolved
+
+    def _remove(self, path: Path) -> None:
+        # Renamed away first, so no reader finds a half-deleted adapter under its digest.
+        doomed = Path(tempfile.mkdtemp(prefix=".deleting.", dir=self.root))
+        try:
+            path.rename(doomed / "adapter")
+        except FileNotFoundError:
+            pass
+        finally:
+            shutil.rmtree(doomed, ignore_errors=True)
 
 
-def fetch_local(uri: str, sha256: str | None = None) -> Path:
+def fetch_local(uri: str, digest: str | None = None) -> Path:
+    """The adapter directory at a path or file:// URI; with `digest`, only if its content has it."""
     path = local_path(uri)
-    if not (path / WEIGHTS_FILE).is_file() or not (path / CONFIG_FILE).is_file():
-        raise AdapterError(f"no adapter at {uri}: expected {CONFIG_FILE} and {WEIGHTS_FILE} there")
-    if sha256 is not None:
-        actual = sha256_of(path / WEIGHTS_FILE)
-        if actual != sha256.lower():
-            raise AdapterError(f"adapter at {uri} has sha256 {actual}, expected {sha256}: refusing it")
+    if not all((path / name).is_file() for name in ADAPTER_FILES):
+        raise AdapterError(f"no adapter at {uri}: expected {' and '.join(ADAPTER_FILES)} there")
+    if digest is not None:
+        check_digest(path, digest)
     return path
+
+
+def _require_digest(digest: str) -> None:
+    if not is_digest(digest):
+        raise AdapterError(f"{digest!r} is not an adapter digest (64 lowercase hex characters)")
