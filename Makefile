@@ -6,7 +6,7 @@ PIP := $(PY) -m pip --disable-pip-version-check -q
 CONSTRAINTS := constraints-cpu.txt
 PROMPT ?= Write a haiku about the sea.
 
-.PHONY: run generate test lint install install-engine install-dev bench clean
+.PHONY: run generate test lint install install-engine install-dev bench clean images
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -67,9 +67,22 @@ MYPY_TREE := $(VENV)/mypy-tree
 lint: install-dev
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/hadolint --config .hadolint.yaml images/*.Dockerfile
 	mkdir -p $(MYPY_TREE)/loraplex
 	for d in engine adapters operator web cli bench; do ln -sfn "$(CURDIR)/$$d" "$(MYPY_TREE)/loraplex/$$d"; done
 	cd $(MYPY_TREE) && "$(CURDIR)/$(PY)" -m mypy --config-file "$(CURDIR)/pyproject.toml" -p loraplex
+
+# The container images the chart and the operator run (images/*.Dockerfile; docs/development.md "Images").
+# `make images TAG=0.2.0 REGISTRY=registry.example.com/loraplex` to name them otherwise.
+REGISTRY ?= ghcr.io/loraplex
+TAG ?= $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+DOCKER ?= docker
+images:
+	@command -v $(DOCKER) >/dev/null 2>&1 || { echo "make images: '$(DOCKER)' not found; install Docker (with BuildKit) or set DOCKER=podman" >&2; exit 1; }
+	@$(DOCKER) info >/dev/null 2>&1 || { echo "make images: cannot reach the $(DOCKER) daemon; start it or check your permissions" >&2; exit 1; }
+	for name in platform engine; do \
+		DOCKER_BUILDKIT=1 $(DOCKER) build -f images/$$name.Dockerfile -t $(REGISTRY)/$$name:$(TAG) . || exit 1; \
+	done
 
 bench: install-dev
 	$(PY) -m loraplex.bench offline

@@ -31,7 +31,7 @@ from loraplex.operator.resources import (
     selector_string,
 )
 from loraplex.operator.spec import GROUP, KIND, PLURAL, VERSION, InferenceDeployment, SpecError, parse
-from loraplex.operator.status import degraded_status, healthy_status, merge_conditions
+from loraplex.operator.status import degraded_status, engine_failure, healthy_status, merge_conditions
 
 logger = logging.getLogger(__name__)
 
@@ -120,8 +120,14 @@ async def reconcile(kube: KubeClient, body: Mapping[str, Any]) -> dict[str, Any]
             raise kopf.TemporaryError(f"conflict while applying children: {error}", delay=1) from error
         await write_status(kube, body, degraded_status("ApplyFailed", str(error), generation))
         raise kopf.TemporaryError(f"cannot apply children, will retry: {error}", delay=15) from error
+    pods = await kube.list("Pod", idep.namespace, selector_string(idep))
     status = healthy_status(
-        live.get("Deployment"), idep.spec.replicas.min, generation, endpoint(idep), selector_string(idep)
+        live.get("Deployment"),
+        idep.spec.replicas.min,
+        generation,
+        endpoint(idep),
+        selector_string(idep),
+        engine_failure(pods),
     )
     await write_status(kube, body, status)
     return status

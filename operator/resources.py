@@ -14,6 +14,9 @@ from typing import Any
 from loraplex.operator.spec import GROUP, KIND, VERSION, InferenceDeployment
 
 ENGINE_PORT = 8000
+MODEL_CACHE_DIR = "/var/cache/loraplex"
+# Engine pods run as this uid whatever USER the image names, so runAsNonRoot is checkable by the kubelet.
+ENGINE_UID = 65532
 MANAGED_BY = "loraplex-operator"
 # Holds the hash of the desired child: a child whose annotation differs (or is missing) is re-applied.
 HASH_ANNOTATION = "loraplex.dev/desired-hash"
@@ -78,18 +81,21 @@ def engine_args(idep: InferenceDeployment) -> list[str]:
 
 def config_map(idep: InferenceDeployment) -> dict[str, Any]:
     spec = idep.spec
+    # Every key is a field of engine/server/settings.py (tests/operator/test_contract.py checks it).
     data = {
-        "LORAPLEX_MODEL_FORMAT": spec.model.format,
         "LORAPLEX_DEVICE": "cuda" if spec.resources.gpus_per_replica > 0 else "cpu",
         "LORAPLEX_POOL_FRACTION": str(spec.engine.pool_fraction),
         "LORAPLEX_MAX_RESIDENT_ADAPTERS": str(spec.engine.max_resident_adapters),
         "LORAPLEX_MAX_BATCH_TOKENS": str(spec.engine.max_batch_tokens),
-        "LORAPLEX_MODEL_CACHE": "/var/cache/loraplex",
+        "LORAPLEX_MODEL_CACHE": MODEL_CACHE_DIR,
     }
-    if spec.adapter_store is not None:
-        data["LORAPLEX_ADAPTER_STORE"] = spec.adapter_store.uri
-    if spec.control_plane is not None:
-        data["LORAPLEX_CONTROL_PLANE_URL"] = spec.control_plane.url
+    store = spec.adapter_store
+    if store is not None:
+        data["LORAPLEX_ADAPTER_STORE"] = store.uri
+        if store.endpoint_url:
+            data["LORAPLEX_S3_ENDPOINT_URL"] = store.endpoint_url
+        if store.region:
+            data["AWS_REGION"] = store.region
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
@@ -141,16 +147,39 @@ def _pod_spec(idep: InferenceDeployment) -> dict[str, Any]:
                 "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}],
                 "envFrom": [{"configMapRef": {"name": child_name(idep)}}],
                 "env": _secret_env(idep),
+                # A model that cannot load ends `loraplex serve` with one line in /dev/termination-log; an
+                # image that crashes before that still explains itself through the last lines of its log.
+                "terminationMessagePolicy": "FallbackToLogsOnError",
+                "securityContext": {
+                    "allowPrivilegeEscalation": False,
+                    "readOnlyRootFilesystem": True,
+                    "runAsNonRoot": True,
+                    "capabilities": {"drop": ["ALL"]},
+                    "seccompProfile": {"type": "RuntimeDefault"},
+                },
                 "resources": {"requests": dict(limits), "limits": limits},
                 # Loading a large model takes minutes: readiness gates traffic, liveness only restarts a
                 # process that stopped answering at all, and the startup probe covers the load.
                 "startupProbe": _probe("/health", period=10, failures=90),
                 "readinessProbe": _probe("/ready", period=5, failures=3),
                 "livenessProbe": _probe("/health", period=15, failures=4),
-                "volumeMounts": [{"name": "model-cache", "mountPath": "/var/cache/loraplex"}],
+                "volumeMounts": [
+                    {"name": "model-cache", "mountPath": MODEL_CACHE_DIR},
+                    # The root filesystem is read-only: Triton's and torch's caches and scratch go here.
+                    {"name": "tmp", "mountPath": "/tmp"},
+                ],
             }
         ],
-        "volumes": [{"name": "model-cache", "emptyDir": {}}],
+        "volumes": [_model_cache_volume(idep), {"name": "tmp", "emptyDir": {}}],
+        # Pod Security "restricted"; the engine needs no Kubernetes API access at all.
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": ENGINE_UID,
+            "runAsGroup": ENGINE_UID,
+            "fsGroup": ENGINE_UID,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "automountServiceAccountToken": False,
         # Replicas on different nodes (and zones when there are several): one node loss costs one replica.
         "topologySpreadConstraints": [
             {
@@ -168,17 +197,24 @@ def _pod_spec(idep: InferenceDeployment) -> dict[str, Any]:
     return pod
 
 
+def _model_cache_volume(idep: InferenceDeployment) -> dict[str, Any]:
+    cache = idep.spec.model_cache
+    if cache.claim_name is not None:
+        return {"name": "model-cache", "persistentVolumeClaim": {"claimName": cache.claim_name}}
+    return {"name": "model-cache", "emptyDir": {"sizeLimit": cache.size_limit} if cache.size_limit else {}}
+
+
 def _secret_env(idep: InferenceDeployment) -> list[dict[str, Any]]:
-    env: list[dict[str, Any]] = []
-    token = idep.spec.control_plane.token_secret if idep.spec.control_plane else None
-    if token is not None:
-        ref = {"name": token.name, "key": token.key}
-        env.append({"name": "LORAPLEX_INTERNAL_TOKEN", "valueFrom": {"secretKeyRef": ref}})
+    token = idep.spec.internal_token
+    ref = {"name": token.name, "key": token.key}
+    env: list[dict[str, Any]] = [{"name": "LORAPLEX_INTERNAL_TOKEN", "valueFrom": {"secretKeyRef": ref}}]
     store = idep.spec.adapter_store
     if store is not None and store.secret_name:
-        # The S3-API credentials under their usual names, so any S3 client in the engine finds them.
-        for name, key in (("AWS_ACCESS_KEY_ID", "accessKeyId"), ("AWS_SECRET_ACCESS_KEY", "secretAccessKey")):
-            env.append({"name": name, "valueFrom": {"secretKeyRef": {"name": store.secret_name, "key": key}}})
+        # The S3-API credentials under boto3's own names, keyed the same in the Secret (as in the chart).
+        for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+            env.append(
+                {"name": name, "valueFrom": {"secretKeyRef": {"name": store.secret_name, "key": name}}}
+            )
     return env
 
 

@@ -18,15 +18,29 @@ VERSION = "v1alpha1"
 PLURAL = "inferencedeployments"
 KIND = "InferenceDeployment"
 
-MODEL_FORMATS = ("gguf", "hf")
+# What `loraplex serve --model` resolves (engine/model/sources.py): a path in the image or on a volume,
+# file://, s3://bucket/key (downloaded into the model cache) and hf://org/name[@revision].
+MODEL_URI_SCHEMES = ("file", "s3", "hf")
 DTYPES = ("float32", "bfloat16", "float16")
 AUTOSCALING_MODES = ("builtin", "hpa", "off")
 METRICS = ("waiting_requests", "running_requests", "pool_utilization")
 
+_QUANTITY = r"[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|K|M|G|T)?"
 _CPU = re.compile(r"^[0-9]+(\.[0-9]+)?m?$")
-_MEMORY = re.compile(r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|K|M|G|T)?$")
+_MEMORY = re.compile(f"^{_QUANTITY}$")
 # Children are named `<cr name>-engine`; a Service name is a DNS-1035 label of at most 63 characters.
 _NAME = re.compile(r"^[a-z]([-a-z0-9]{0,54}[a-z0-9])?$")
+# Secret and PVC names are DNS subdomains; Secret keys are [-._a-zA-Z0-9]+.
+_OBJECT_NAME = re.compile(r"^[a-z0-9]([-.a-z0-9]{0,251}[a-z0-9])?$")
+_SECRET_KEY = re.compile(r"^[-._a-zA-Z0-9]{1,253}$")
+_HF_URI = re.compile(
+    r"^hf://[A-Za-z0-9][-A-Za-z0-9_.]{0,95}/[A-Za-z0-9][-A-Za-z0-9_.]{0,95}(@[-A-Za-z0-9_./]{1,255})?$"
+)
+_S3_URI = re.compile(r"^s3://[a-z0-9][-a-z0-9.]{1,61}[a-z0-9](/[^\s]*)?$")
+_MAX_URI = 2048
+# The operator sets these itself: the Service, probes and NetworkPolicy depend on them.
+MANAGED_ARGS = ("--model", "--port", "--host")
+INTERNAL_TOKEN_KEY = "internal-token"
 
 
 class SpecError(ValueError):
@@ -36,7 +50,6 @@ class SpecError(ValueError):
 @dataclass(frozen=True)
 class ModelSpec:
     uri: str
-    format: str = "gguf"
     dtype: str = "bfloat16"
 
 
@@ -74,30 +87,37 @@ class AutoscalingSpec:
 @dataclass(frozen=True)
 class SecretKeyRef:
     name: str
-    key: str = "token"
+    key: str = INTERNAL_TOKEN_KEY
 
 
 @dataclass(frozen=True)
 class AdapterStoreSpec:
     uri: str
+    endpoint_url: str | None = None
+    region: str | None = None
+    # A Secret with keys AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, like the chart's adapterStore one.
     secret_name: str | None = None
 
 
 @dataclass(frozen=True)
-class ControlPlaneSpec:
-    url: str
-    token_secret: SecretKeyRef | None = None
+class ModelCacheSpec:
+    """Where downloaded base models live: a PersistentVolumeClaim (kept across restarts) or an emptyDir."""
+
+    claim_name: str | None = None
+    size_limit: str | None = None
 
 
 @dataclass(frozen=True)
 class InferenceDeploymentSpec:
     model: ModelSpec
     engine: EngineSpec
+    # Required: on a cluster the engine serves nothing without the token the gateway sends.
+    internal_token: SecretKeyRef
     resources: ResourcesSpec = field(default_factory=ResourcesSpec)
     replicas: ReplicasSpec = field(default_factory=ReplicasSpec)
     autoscaling: AutoscalingSpec = field(default_factory=AutoscalingSpec)
     adapter_store: AdapterStoreSpec | None = None
-    control_plane: ControlPlaneSpec | None = None
+    model_cache: ModelCacheSpec = field(default_factory=ModelCacheSpec)
 
 
 @dataclass(frozen=True)
@@ -131,6 +151,11 @@ def parse(body: Mapping[str, Any]) -> InferenceDeployment:
 
 def parse_spec(raw: Any) -> InferenceDeploymentSpec:
     spec = _section(raw, "spec", required=True)
+    if "controlPlane" in spec:
+        raise SpecError(
+            "spec.controlPlane was removed (nothing read its url): delete it and name the internal token's "
+            "Secret in spec.internalTokenSecretRef"
+        )
     replicas = _parse_replicas(_section(spec.get("replicas"), "spec.replicas"))
     return InferenceDeploymentSpec(
         model=_parse_model(_section(spec.get("model"), "spec.model", required=True)),
@@ -138,25 +163,57 @@ def parse_spec(raw: Any) -> InferenceDeploymentSpec:
         resources=_parse_resources(_section(spec.get("resources"), "spec.resources")),
         replicas=replicas,
         autoscaling=_parse_autoscaling(_section(spec.get("autoscaling"), "spec.autoscaling")),
+        internal_token=_parse_secret_key_ref(
+            spec.get("internalTokenSecretRef"), "spec.internalTokenSecretRef"
+        ),
         adapter_store=_parse_adapter_store(spec.get("adapterStore")),
-        control_plane=_parse_control_plane(spec.get("controlPlane")),
+        model_cache=_parse_model_cache(_section(spec.get("modelCache"), "spec.modelCache")),
     )
 
 
 def _parse_model(raw: Mapping[str, Any]) -> ModelSpec:
     defaults = ModelSpec(uri="")
     return ModelSpec(
-        uri=_string(raw, "uri", "spec.model"),
-        format=_choice(raw, "format", MODEL_FORMATS, defaults.format, "spec.model"),
+        uri=check_model_uri(_string(raw, "uri", "spec.model")),
         dtype=_choice(raw, "dtype", DTYPES, defaults.dtype, "spec.model"),
     )
+
+
+def check_model_uri(uri: str) -> str:
+    """The URI if `loraplex serve --model` can resolve its form; SpecError naming the problem otherwise."""
+    where = "spec.model.uri"
+    if len(uri) > _MAX_URI or any(c.isspace() or not c.isprintable() for c in uri):
+        raise SpecError(f"{where} must be at most {_MAX_URI} printable characters without spaces")
+    scheme, sep, _ = uri.partition("://")
+    if not sep:
+        if not uri.startswith("/"):
+            raise SpecError(f"{where} {uri!r} is relative; give an absolute path in the image or a volume")
+        return uri
+    if scheme not in MODEL_URI_SCHEMES:
+        supported = ", ".join(f"{s}://" for s in MODEL_URI_SCHEMES)
+        raise SpecError(f"{where} scheme {scheme!r} is not supported; use an absolute path, {supported}")
+    if scheme == "file" and not uri.startswith("file:///"):
+        raise SpecError(f"{where} {uri!r} must be file:///absolute/path")
+    if scheme == "s3" and not _S3_URI.match(uri):
+        raise SpecError(
+            f"{where} {uri!r} is not s3://bucket/key (a lowercase bucket name of 3-63 characters)"
+        )
+    if scheme == "hf" and not _HF_URI.match(uri):
+        raise SpecError(f"{where} {uri!r} is not hf://org/name or hf://org/name@revision")
+    return uri
 
 
 def _parse_engine(raw: Mapping[str, Any]) -> EngineSpec:
     defaults = EngineSpec(image="")
     extra = raw.get("extraArgs", [])
     if not isinstance(extra, list) or not all(isinstance(arg, str) for arg in extra):
-        raise SpecError("spec.engine.extraArgs must be a list of strings, e.g. ['--log-level', 'info']")
+        raise SpecError("spec.engine.extraArgs must be a list of strings, e.g. ['--max-num-seqs', '32']")
+    for arg in extra:
+        if arg.split("=", 1)[0] in MANAGED_ARGS:
+            raise SpecError(
+                f"spec.engine.extraArgs sets {arg.split('=', 1)[0]}, which the operator sets itself "
+                "(spec.model.uri, port 8000); remove it"
+            )
     return EngineSpec(
         image=_string(raw, "image", "spec.engine"),
         extra_args=tuple(extra),
@@ -217,30 +274,67 @@ def _parse_autoscaling(raw: Mapping[str, Any]) -> AutoscalingSpec:
     )
 
 
+def _parse_secret_key_ref(raw: Any, where: str) -> SecretKeyRef:
+    if raw is None:
+        raise SpecError(
+            f"{where} is required: name the Secret holding the internal token the gateway sends (the chart "
+            f"makes <release>-loraplex-secrets with key {INTERNAL_TOKEN_KEY})"
+        )
+    section = _section(raw, where)
+    name = _object_name(section, "name", where)
+    key = section.get("key", INTERNAL_TOKEN_KEY)
+    if not isinstance(key, str) or not _SECRET_KEY.match(key):
+        raise SpecError(f"{where}.key {key!r} is not a Secret key (letters, digits, '-', '_', '.')")
+    return SecretKeyRef(name=name, key=key)
+
+
 def _parse_adapter_store(raw: Any) -> AdapterStoreSpec | None:
     if raw is None:
         return None
-    section = _section(raw, "spec.adapterStore")
+    where = "spec.adapterStore"
+    section = _section(raw, where)
+    uri = _string(section, "uri", where)
+    if len(uri) > _MAX_URI or not uri.startswith(("/", "file:///", "s3://")):
+        raise SpecError(
+            f"{where}.uri {uri[:100]!r} must be an absolute path, file:///path or s3://bucket/prefix"
+        )
+    endpoint = section.get("endpointUrl")
+    if endpoint is not None and (
+        not isinstance(endpoint, str)
+        or not endpoint.startswith(("http://", "https://"))
+        or len(endpoint) > 2048
+    ):
+        raise SpecError(f"{where}.endpointUrl {endpoint!r} must be an http:// or https:// URL")
+    region = section.get("region")
+    if region is not None and (not isinstance(region, str) or not re.fullmatch(r"[a-z0-9-]{1,32}", region)):
+        raise SpecError(f"{where}.region {region!r} is not a region name such as us-east-1")
     secret = section.get("secretRef")
-    where = "spec.adapterStore.secretRef"
-    secret_name = None if secret is None else _string(_section(secret, where, required=True), "name", where)
-    return AdapterStoreSpec(uri=_string(section, "uri", "spec.adapterStore"), secret_name=secret_name)
+    secret_name = None
+    if secret is not None:
+        secret_name = _object_name(
+            _section(secret, f"{where}.secretRef", required=True), "name", f"{where}.secretRef"
+        )
+    return AdapterStoreSpec(uri=uri, endpoint_url=endpoint, region=region, secret_name=secret_name)
 
 
-def _parse_control_plane(raw: Any) -> ControlPlaneSpec | None:
-    if raw is None:
-        return None
-    section = _section(raw, "spec.controlPlane")
-    url = _string(section, "url", "spec.controlPlane")
-    if not url.startswith(("http://", "https://")):
-        raise SpecError(f"spec.controlPlane.url {url!r} must start with http:// or https://")
-    token = section.get("tokenSecretRef")
-    token_ref = None
-    if token is not None:
-        ref = _section(token, "spec.controlPlane.tokenSecretRef")
-        where = "spec.controlPlane.tokenSecretRef"
-        token_ref = SecretKeyRef(name=_string(ref, "name", where), key=str(ref.get("key", "token")))
-    return ControlPlaneSpec(url=url, token_secret=token_ref)
+def _parse_model_cache(raw: Mapping[str, Any]) -> ModelCacheSpec:
+    where = "spec.modelCache"
+    claim = None if raw.get("claimName") is None else _object_name(raw, "claimName", where)
+    size = raw.get("sizeLimit")
+    if size is not None and (not isinstance(size, str) or not _MEMORY.match(size)):
+        raise SpecError(f"{where}.sizeLimit {size!r} is not a quantity; write e.g. '40Gi'")
+    if claim is not None and size is not None:
+        raise SpecError(f"{where}: sizeLimit applies to the emptyDir cache only; drop it or claimName")
+    return ModelCacheSpec(claim_name=claim, size_limit=size)
+
+
+def _object_name(raw: Mapping[str, Any], key: str, where: str) -> str:
+    value = _string(raw, key, where)
+    if not _OBJECT_NAME.match(value):
+        raise SpecError(
+            f"{where}.{key} {value[:100]!r} is not a Kubernetes object name (lowercase DNS subdomain)"
+        )
+    return value
 
 
 def _section(raw: Any, where: str, required: bool = False) -> Mapping[str, Any]:

@@ -1,7 +1,8 @@
 """Status of an InferenceDeployment, computed from the live Deployment: phase and three conditions.
 
 Ready: enough replicas answer /ready (at least spec.replicas.min). Progressing: a rollout or scale is under
-way. Degraded: the spec is invalid or the children cannot be applied; its message says what to fix.
+way. Degraded: the spec is invalid, the children cannot be applied, or engine pods fail to start (reason
+EngineFailing, with the pod's termination message: `loraplex serve` writes why the model did not load).
 Pure functions of plain dicts; `now` is passed in so tests pin time.
 """
 
@@ -36,14 +37,68 @@ def merge_conditions(
     return merged
 
 
+# Waiting reasons of a container that will not come up by itself; ContainerCreating and PodInitializing pass.
+FAILING_WAITING_REASONS = frozenset(
+    {
+        "CrashLoopBackOff",
+        "CreateContainerConfigError",
+        "CreateContainerError",
+        "ErrImagePull",
+        "ImagePullBackOff",
+        "InvalidImageName",
+        "RunContainerError",
+    }
+)
+# A condition message is read by people in `kubectl describe`; the kubelet keeps up to 4096 bytes.
+MAX_FAILURE_MESSAGE = 1024
+
+
+def engine_failure(pods: list[Mapping[str, Any]]) -> str | None:
+    """Why engine pods fail to start, from the first failing container (termination message first); None if
+    none fails. Pods being deleted are skipped: their exit is expected."""
+    for pod in sorted(pods, key=lambda p: str((p.get("metadata") or {}).get("name", ""))):
+        meta = pod.get("metadata") or {}
+        if meta.get("deletionTimestamp"):
+            continue
+        for status in (pod.get("status") or {}).get("containerStatuses") or []:
+            reason = _container_failure(status)
+            if reason is not None:
+                text = f"pod {meta.get('name')}: {reason}"
+                return text if len(text) <= MAX_FAILURE_MESSAGE else text[: MAX_FAILURE_MESSAGE - 3] + "..."
+    return None
+
+
+def _container_failure(status: Mapping[str, Any]) -> str | None:
+    state = status.get("state") or {}
+    last = (status.get("lastState") or {}).get("terminated") or {}
+    waiting = state.get("waiting") or {}
+    terminated = state.get("terminated") or {}
+    if waiting.get("reason") in FAILING_WAITING_REASONS:
+        why = _message(last) or str(waiting.get("message") or "").strip()
+        return f"{waiting['reason']}: {why}" if why else str(waiting["reason"])
+    if terminated and terminated.get("exitCode", 0) != 0:
+        why = _message(terminated)
+        code = terminated.get("exitCode")
+        return f"exited with code {code}: {why}" if why else f"exited with code {code}"
+    return None
+
+
+def _message(terminated: Mapping[str, Any]) -> str:
+    """A termination message on one line (a log tail under FallbackToLogsOnError has several)."""
+    lines = [line.strip() for line in str(terminated.get("message") or "").splitlines() if line.strip()]
+    return " | ".join(lines[-5:])
+
+
 def healthy_status(
     deployment: Mapping[str, Any] | None,
     min_replicas: int,
     generation: int,
     endpoint: str,
     selector: str,
+    failure: str | None = None,
 ) -> dict[str, Any]:
-    """Status fields (without timestamps) for a valid spec whose children were applied."""
+    """Status fields (without timestamps) for a valid spec whose children were applied; `failure` is
+    engine_failure() of its pods."""
     dep_spec = (deployment or {}).get("spec") or {}
     dep_status = (deployment or {}).get("status") or {}
     dep_meta = (deployment or {}).get("metadata") or {}
@@ -53,14 +108,20 @@ def healthy_status(
     observed = int(dep_status.get("observedGeneration") or 0)
     rolling = observed < int(dep_meta.get("generation") or 0) or updated < wanted or ready < wanted
     is_ready = ready >= min_replicas
+    counts = f"{ready} of {wanted} replicas ready (minimum {min_replicas})"
+    if is_ready:
+        ready_condition = condition("Ready", True, "MinimumReplicasReady", counts, generation)
+    elif failure is not None:
+        ready_condition = condition("Ready", False, "EngineFailing", f"{counts}; {failure}", generation)
+    else:
+        ready_condition = condition("Ready", False, "WaitingForReplicas", counts, generation)
+    degraded = (
+        condition("Degraded", True, "EngineFailing", failure, generation)
+        if failure is not None
+        else condition("Degraded", False, "AsExpected", "children applied", generation)
+    )
     conditions = [
-        condition(
-            "Ready",
-            is_ready,
-            "MinimumReplicasReady" if is_ready else "WaitingForReplicas",
-            f"{ready} of {wanted} replicas ready (minimum {min_replicas})",
-            generation,
-        ),
+        ready_condition,
         condition(
             "Progressing",
             rolling,
@@ -68,9 +129,11 @@ def healthy_status(
             f"{updated} of {wanted} replicas updated, {ready} ready" if rolling else "all replicas updated",
             generation,
         ),
-        condition("Degraded", False, "AsExpected", "children applied", generation),
+        degraded,
     ]
     phase = "Running" if is_ready and not rolling else "Progressing" if is_ready or ready else "Pending"
+    if failure is not None and not is_ready:
+        phase = "Degraded"
     return {
         "phase": phase,
         "observedGeneration": generation,

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 import copy
+from typing import Any
 
+import kopf
 import kubernetes_validate
 import pytest
 
 from loraplex.operator.apply import is_subset, plan
+from loraplex.operator.main import reconcile
 from loraplex.operator.resources import HASH_ANNOTATION, desired_objects, engine_args
 from loraplex.operator.spec import parse
+from loraplex.operator.status import MAX_FAILURE_MESSAGE, condition, engine_failure, healthy_status
 from tests.operator.helpers import KUBE_VERSION, body
 
 
@@ -30,16 +35,31 @@ def test_gpu_example_children() -> None:
         "--port",
         "8000",
     ]
-    assert container["args"][7:] == ["--log-level", "info"]
+    assert container["args"][7:] == ["--max-num-seqs", "128"]
     assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"
     assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
     assert container["livenessProbe"]["httpGet"]["path"] == "/health"
     pod = objs["Deployment"]["spec"]["template"]["spec"]
-    assert pod["volumes"] == [{"name": "model-cache", "emptyDir": {}}]
+    assert pod["volumes"] == [
+        {"name": "model-cache", "emptyDir": {"sizeLimit": "40Gi"}},
+        {"name": "tmp", "emptyDir": {}},
+    ]
+    assert {m["mountPath"] for m in container["volumeMounts"]} == {"/var/cache/loraplex", "/tmp"}
     assert pod["topologySpreadConstraints"][0]["topologyKey"] == "kubernetes.io/hostname"
-    assert objs["ConfigMap"]["data"]["LORAPLEX_MAX_RESIDENT_ADAPTERS"] == "128"
-    env = {e["name"] for e in container["env"]}
-    assert {"LORAPLEX_INTERNAL_TOKEN", "AWS_ACCESS_KEY_ID"} <= env
+    assert pod["automountServiceAccountToken"] is False
+    assert container["terminationMessagePolicy"] == "FallbackToLogsOnError"
+    data = objs["ConfigMap"]["data"]
+    assert data["LORAPLEX_MAX_RESIDENT_ADAPTERS"] == "128"
+    assert data["LORAPLEX_ADAPTER_STORE"] == "s3://loraplex-adapters/prod"
+    assert data["LORAPLEX_MODEL_CACHE"] == "/var/cache/loraplex"
+    assert data["AWS_REGION"] == "us-east-1"
+    assert "LORAPLEX_S3_ENDPOINT_URL" not in data
+    env = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in container["env"]}
+    assert env == {
+        "LORAPLEX_INTERNAL_TOKEN": {"name": "loraplex-secrets", "key": "internal-token"},
+        "AWS_ACCESS_KEY_ID": {"name": "loraplex-adapter-store", "key": "AWS_ACCESS_KEY_ID"},
+        "AWS_SECRET_ACCESS_KEY": {"name": "loraplex-adapter-store", "key": "AWS_SECRET_ACCESS_KEY"},
+    }
     for obj in objs.values():
         owner = obj["metadata"]["ownerReferences"][0]
         assert (owner["kind"], owner["uid"], owner["controller"]) == ("InferenceDeployment", "uid-1", True)
@@ -55,6 +75,17 @@ def test_cpu_example_has_no_gpu_and_a_pdb_that_allows_drains() -> None:
         "maxUnavailable": 1,
         "selector": objs["Deployment"]["spec"]["selector"],
     }
+
+
+def test_store_endpoint_and_a_model_cache_claim() -> None:
+    store = {"uri": "s3://adapters", "endpointUrl": "http://minio.storage.svc:9000"}
+    objs = by_kind(desired_objects(parse(body(adapterStore=store, modelCache={"claimName": "models"}))))
+    assert objs["ConfigMap"]["data"]["LORAPLEX_S3_ENDPOINT_URL"] == "http://minio.storage.svc:9000"
+    assert "AWS_REGION" not in objs["ConfigMap"]["data"]
+    pod = objs["Deployment"]["spec"]["template"]["spec"]
+    assert pod["volumes"][0] == {"name": "model-cache", "persistentVolumeClaim": {"claimName": "models"}}
+    names = [e["name"] for e in pod["containers"][0]["env"]]
+    assert names == ["LORAPLEX_INTERNAL_TOKEN"]  # no secretRef: no credentials (workload identity)
 
 
 def test_hpa_mode_adds_a_pods_metric_hpa() -> None:
@@ -146,3 +177,116 @@ def test_is_subset() -> None:
     assert is_subset({"a": [{"b": 1}]}, {"a": [{"b": 1, "c": 2}], "d": 3})
     assert not is_subset({"a": [{"b": 1}]}, {"a": [{"b": 1}, {"b": 2}]})
     assert not is_subset({"a": 1}, {})
+
+
+# --- status: engine pods that fail to start ------------------------------------------------------------
+
+
+def pod(name: str, **container_status: Any) -> dict[str, Any]:
+    return {
+        "metadata": {"name": name},
+        "status": {"containerStatuses": [{"name": "engine", **container_status}]},
+    }
+
+
+MODEL_MISSING = "loraplex serve: model s3://models/llama: NoSuchKey: the object does not exist\n"
+
+
+def test_engine_failure_reads_the_termination_message() -> None:
+    crashing = pod(
+        "m-engine-1",
+        state={"waiting": {"reason": "CrashLoopBackOff", "message": "back-off 5m0s restarting"}},
+        lastState={"terminated": {"exitCode": 2, "message": MODEL_MISSING}},
+    )
+    running = pod("m-engine-0", state={"running": {}})
+    assert engine_failure([running]) is None
+    assert engine_failure([running, crashing]) == (
+        "pod m-engine-1: CrashLoopBackOff: loraplex serve: model s3://models/llama: "
+        "NoSuchKey: the object does not exist"
+    )
+    exited = pod("m-engine-2", state={"terminated": {"exitCode": 1, "message": "a\nb\n\nc"}})
+    assert engine_failure([exited]) == "pod m-engine-2: exited with code 1: a | b | c"
+    pulling = pod("m-engine-3", state={"waiting": {"reason": "ImagePullBackOff", "message": "no such image"}})
+    assert engine_failure([pulling]) == "pod m-engine-3: ImagePullBackOff: no such image"
+    starting = pod("m-engine-4", state={"waiting": {"reason": "ContainerCreating"}})
+    assert engine_failure([starting]) is None
+    going = {**crashing, "metadata": {"name": "x", "deletionTimestamp": "2026-11-23T13:00:00Z"}}
+    assert engine_failure([going]) is None
+    huge = pod("m", state={"terminated": {"exitCode": 1, "message": "x" * 5000}})
+    assert len(engine_failure([huge]) or "") == MAX_FAILURE_MESSAGE
+
+
+def test_failing_engines_make_the_status_degraded_with_the_reason() -> None:
+    deployment = {"metadata": {"generation": 1}, "spec": {"replicas": 1}, "status": {"observedGeneration": 1}}
+    status = healthy_status(deployment, 1, 3, "http://e", "sel", failure="pod p: CrashLoopBackOff: no model")
+    conditions = {c["type"]: c for c in status["conditions"]}
+    assert status["phase"] == "Degraded"
+    assert (conditions["Ready"]["status"], conditions["Ready"]["reason"]) == ("False", "EngineFailing")
+    assert "no model" in conditions["Ready"]["message"]
+    assert conditions["Degraded"] == condition(
+        "Degraded", True, "EngineFailing", "pod p: CrashLoopBackOff: no model", 3
+    )
+    # Enough replicas still serve (a bad rollout): Ready stays True, Degraded says why.
+    ready = {**deployment, "status": {"observedGeneration": 1, "readyReplicas": 1, "updatedReplicas": 1}}
+    status = healthy_status(ready, 1, 3, "http://e", "sel", failure="pod q: exited with code 2")
+    conditions = {c["type"]: c for c in status["conditions"]}
+    assert conditions["Ready"]["status"] == "True" and conditions["Degraded"]["reason"] == "EngineFailing"
+    assert status["phase"] == "Running"
+    healthy = {c["type"]: c for c in healthy_status(ready, 1, 3, "http://e", "sel")["conditions"]}
+    assert healthy["Degraded"]["status"] == "False"
+
+
+class FakeKube:
+    """The few KubeClient calls reconcile makes, over a dict of objects: enough to test the wiring."""
+
+    def __init__(self, pods: list[dict[str, Any]]) -> None:
+        self.objects: dict[tuple[str, str], dict[str, Any]] = {}
+        self.pods = pods
+        self.status_patches: list[dict[str, Any]] = []
+
+    async def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        return self.objects.get((kind, name))
+
+    async def list(self, kind: str, namespace: str, selector: str) -> list[dict[str, Any]]:
+        assert (kind, selector) == (
+            "Pod",
+            "app.kubernetes.io/instance=llama3-8b,app.kubernetes.io/name=loraplex-engine",
+        )
+        return self.pods
+
+    async def create(self, obj: dict[str, Any]) -> dict[str, Any]:
+        self.objects[(obj["kind"], obj["metadata"]["name"])] = obj
+        return obj
+
+    async def patch(
+        self, kind: str, namespace: str, name: str, patch: dict[str, Any], subresource: str | None = None
+    ) -> dict[str, Any]:
+        assert (kind, subresource) == ("InferenceDeployment", "status")
+        self.status_patches.append(patch["status"])
+        return patch
+
+    async def delete(self, kind: str, namespace: str, name: str) -> None:
+        self.objects.pop((kind, name), None)
+
+
+def test_reconcile_reports_a_model_that_does_not_load() -> None:
+    crashing = pod(
+        "llama3-8b-engine-abc",
+        state={"waiting": {"reason": "CrashLoopBackOff"}},
+        lastState={"terminated": {"exitCode": 2, "message": MODEL_MISSING}},
+    )
+    kube = FakeKube([crashing])
+    status = asyncio.run(reconcile(kube, body()))  # type: ignore[arg-type]
+    ready = next(c for c in status["conditions"] if c["type"] == "Ready")
+    assert ready["reason"] == "EngineFailing" and "NoSuchKey" in ready["message"]
+    assert kube.status_patches[-1]["phase"] == "Degraded"
+
+
+def test_reconcile_rejects_an_unsupported_model_uri_for_good() -> None:
+    kube = FakeKube([])
+    with pytest.raises(kopf.PermanentError, match="scheme 'gs' is not supported"):
+        asyncio.run(reconcile(kube, body(model={"uri": "gs://bucket/model"})))  # type: ignore[arg-type]
+    degraded = next(c for c in kube.status_patches[-1]["conditions"] if c["type"] == "Degraded")
+    assert (degraded["status"], degraded["reason"]) == ("True", "InvalidSpec")
+    assert "use an absolute path, file://, s3://, hf://" in degraded["message"]
+    assert not kube.objects  # nothing applied

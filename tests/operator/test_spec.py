@@ -9,11 +9,14 @@ import jsonschema
 import pytest
 
 from loraplex.operator.spec import (
+    INTERNAL_TOKEN_KEY,
     AutoscalingSpec,
     EngineSpec,
+    ModelCacheSpec,
     ModelSpec,
     ReplicasSpec,
     ResourcesSpec,
+    SecretKeyRef,
     SpecError,
     parse,
 )
@@ -35,6 +38,11 @@ def test_schema_rejects_a_wrong_enum_and_a_missing_field() -> None:
     missing = body()
     del missing["spec"]["model"]["uri"]
     assert any("'uri' is a required property" in e.message for e in validator.iter_errors(missing))
+    no_token = body()
+    del no_token["spec"]["internalTokenSecretRef"]
+    assert any("'internalTokenSecretRef' is a required" in e.message for e in validator.iter_errors(no_token))
+    gcs = body(model={"uri": "gs://bucket/model"})
+    assert any("does not match" in e.message for e in validator.iter_errors(gcs))
 
 
 def test_examples_parse() -> None:
@@ -52,6 +60,8 @@ def test_crd_defaults_match_the_dataclass_defaults() -> None:
         "replicas": ReplicasSpec(),
         "autoscaling": AutoscalingSpec(),
     }
+    token_key = spec["internalTokenSecretRef"]["properties"]["key"]["default"]
+    assert token_key == INTERNAL_TOKEN_KEY == SecretKeyRef(name="x").key
     checked = 0
     for section, instance in sections.items():
         for key, schema in spec[section]["properties"].items():
@@ -63,7 +73,7 @@ def test_crd_defaults_match_the_dataclass_defaults() -> None:
             expected = list(value) if isinstance(value, tuple) else value
             assert schema["default"] == expected, f"spec.{section}.{key}"
             checked += 1
-    assert checked >= 14
+    assert checked >= 13
 
 
 def test_crd_has_status_scale_and_printer_columns() -> None:
@@ -78,12 +88,18 @@ def test_minimal_body_gets_defaults() -> None:
     parsed = parse(
         {
             "metadata": {"name": "m", "namespace": "ns"},
-            "spec": {"model": {"uri": "u"}, "engine": {"image": "i"}},
+            "spec": {
+                "model": {"uri": "/models/m.gguf"},
+                "engine": {"image": "i"},
+                "internalTokenSecretRef": {"name": "loraplex-secrets"},
+            },
         }
     )
     assert parsed.spec.autoscaling == AutoscalingSpec()
     assert parsed.spec.replicas == ReplicasSpec(min=1, max=1)
     assert parsed.spec.adapter_store is None
+    assert parsed.spec.internal_token == SecretKeyRef(name="loraplex-secrets", key="internal-token")
+    assert parsed.spec.model_cache == ModelCacheSpec()
     assert dataclasses.asdict(parsed.spec.resources) == {"gpus_per_replica": 1, "cpu": "4", "memory": "16Gi"}
 
 
@@ -91,7 +107,25 @@ def test_minimal_body_gets_defaults() -> None:
     ("change", "words"),
     [
         ({"replicas": {"min": 5, "max": 2}}, "spec.replicas.min (5) exceeds spec.replicas.max (2)"),
-        ({"model": {"uri": "u", "dtype": "int3"}}, "spec.model.dtype is 'int3'"),
+        ({"model": {"uri": "/m.gguf", "dtype": "int3"}}, "spec.model.dtype is 'int3'"),
+        ({"model": {"uri": "gs://b/m"}}, "spec.model.uri scheme 'gs' is not supported"),
+        ({"model": {"uri": "https://example.com/m.gguf"}}, "scheme 'https' is not supported"),
+        ({"model": {"uri": "models/m.gguf"}}, "spec.model.uri 'models/m.gguf' is relative"),
+        ({"model": {"uri": "file://host/m.gguf"}}, "must be file:///absolute/path"),
+        ({"model": {"uri": "hf://just-a-name"}}, "is not hf://org/name"),
+        ({"model": {"uri": "s3://B/m"}}, "is not s3://bucket/key"),
+        ({"model": {"uri": "/m .gguf"}}, "printable characters without spaces"),
+        ({"model": {"uri": "/" + "m" * 3000}}, "at most 2048"),
+        ({"engine": {"image": "i", "extraArgs": ["--port", "9"]}}, "sets --port, which the operator sets"),
+        ({"engine": {"image": "i", "extraArgs": ["--model=/x"]}}, "sets --model, which the operator sets"),
+        ({"internalTokenSecretRef": None}, "spec.internalTokenSecretRef is required"),
+        ({"internalTokenSecretRef": {"name": "Bad_Name"}}, "is not a Kubernetes object name"),
+        ({"internalTokenSecretRef": {"name": "s", "key": "a/b"}}, "spec.internalTokenSecretRef.key 'a/b'"),
+        ({"adapterStore": {"uri": "gs://b"}}, "spec.adapterStore.uri 'gs://b' must be"),
+        ({"adapterStore": {"uri": "s3://b", "endpointUrl": "ftp://x"}}, "spec.adapterStore.endpointUrl"),
+        ({"adapterStore": {"uri": "s3://b", "region": "US EAST"}}, "spec.adapterStore.region"),
+        ({"modelCache": {"sizeLimit": "huge"}}, "spec.modelCache.sizeLimit 'huge'"),
+        ({"modelCache": {"claimName": "c", "sizeLimit": "1Gi"}}, "drop it or claimName"),
         ({"engine": {"image": ""}}, "spec.engine.image is required"),
         ({"engine": {"image": "i", "poolFraction": 1.5}}, "spec.engine.poolFraction is 1.5"),
         ({"engine": {"image": "i", "extraArgs": [1]}}, "spec.engine.extraArgs must be a list of strings"),
@@ -99,7 +133,7 @@ def test_minimal_body_gets_defaults() -> None:
         ({"resources": {"gpusPerReplica": True}}, "spec.resources.gpusPerReplica is True"),
         ({"autoscaling": {"metric": "pool_utilization", "target": 3}}, "above 1 for pool_utilization"),
         ({"autoscaling": {"target": 0}}, "target must be greater than 0"),
-        ({"controlPlane": {"url": "ftp://x"}}, "must start with http:// or https://"),
+        ({"controlPlane": {"url": "http://x"}}, "spec.controlPlane was removed"),
         (
             {"adapterStore": {"uri": "s3://b", "secretRef": {}}},
             "spec.adapterStore.secretRef.name is required",
@@ -107,8 +141,27 @@ def test_minimal_body_gets_defaults() -> None:
     ],
 )
 def test_invalid_specs_name_the_field(change: dict, words: str) -> None:
+    raw = body(**change)
+    if raw["spec"].get("internalTokenSecretRef", "") is None:
+        del raw["spec"]["internalTokenSecretRef"]
     with pytest.raises(SpecError, match=re.escape(words)):
-        parse(body(**change))
+        parse(raw)
+
+
+@pytest.mark.parametrize(
+    "uri",
+    [
+        "/models/SmolLM2-135M-Instruct-Q8_0.gguf",
+        "file:///models/llama",
+        "s3://models/llama-3-8b/",
+        "hf://meta-llama/Meta-Llama-3-8B-Instruct",
+        "hf://HuggingFaceTB/SmolLM2-135M-Instruct@main",
+    ],
+)
+def test_supported_model_uris_parse_and_pass_the_schema(uri: str) -> None:
+    raw = body(model={"uri": uri})
+    assert parse(raw).spec.model.uri == uri
+    assert not list(jsonschema.Draft4Validator(crd_schema()).iter_errors(raw))
 
 
 def test_name_too_long_is_rejected() -> None:
