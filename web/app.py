@@ -15,6 +15,7 @@ from .api.limits import BodySizeLimit
 from .api.routes import adapters, deployments, gateway, health, keys, tenants, usage
 from .db.session import Database
 from .services.errors import QuotaExceeded, ServiceError
+from .services.multipart import FORM_OVERHEAD_BYTES
 from .services.routing import Router
 from .settings import Settings
 
@@ -53,7 +54,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_middleware(
         BodySizeLimit,
         upload_paths=("/api/v1/adapters", "/console/adapters"),  # the console uploads adapters too
-        upload_bytes=settings.max_upload_bytes,
+        upload_bytes=settings.max_upload_bytes + FORM_OVERHEAD_BYTES,  # files + multipart framing
     )
     app.add_exception_handler(ServiceError, _service_error)  # type: ignore[arg-type]
     for module in (health, tenants, deployments, keys, adapters, usage, gateway):

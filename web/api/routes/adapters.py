@@ -2,48 +2,112 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
-from fastapi import APIRouter, File, Form, Path, Request, UploadFile, status
-
-from loraplex.adapters import LocalArtifactStore
+from fastapi import APIRouter, Path, Request, status
+from fastapi.exceptions import RequestValidationError
+from pydantic import StringConstraints, TypeAdapter, ValidationError
+from starlette.concurrency import run_in_threadpool
 
 from ...schemas import PRINTABLE, AdapterPublic, Name
-from ...services import adapters
-from ...services.uploads import UploadedFile
+from ...services import adapters, multipart, upload_quota
 from ..deps import CurrentTenant, SessionDep, SettingsDep
 
 router = APIRouter(prefix="/api/v1/adapters", tags=["adapters"])
 AdapterName = Annotated[str, Path(max_length=128, pattern=PRINTABLE)]
+DeploymentName = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=PRINTABLE)]
+FORM_FIELDS = {"name": TypeAdapter(Name), "deployment": TypeAdapter(DeploymentName)}
+
+# The route reads its body itself (after authentication), so the form is described here by hand.
+UPLOAD_FORM: dict[str, Any] = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "multipart/form-data": {
+                "schema": {
+                    "type": "object",
+                    "required": ["name", "deployment", "files"],
+                    "properties": {
+                        "name": {
+                            "type": "string",
+                            "pattern": r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$",
+                            "description": "Unique among this tenant's adapters; the `model` to request.",
+                        },
+                        "deployment": {
+                            "type": "string",
+                            "minLength": 1,
+                            "maxLength": 128,
+                            "pattern": PRINTABLE,
+                            "description": "The deployment whose base model the adapter fits.",
+                        },
+                        "files": {
+                            "type": "array",
+                            "items": {"type": "string", "format": "binary"},
+                            "maxItems": multipart.FormLimits(0).max_files,
+                            "description": "adapter_config.json and adapter_model.safetensors, "
+                            "or one .zip / .tar.gz of them",
+                        },
+                    },
+                }
+            }
+        },
+    }
+}
 
 
 @router.post(
     "",
     status_code=status.HTTP_201_CREATED,
-    responses={409: {"description": "name taken"}, 413: {"description": "too large"}, 422: {}},
+    responses={
+        403: {"description": "adapter quota reached"},
+        409: {"description": "name taken"},
+        413: {"description": "too large"},
+        415: {"description": "not multipart/form-data"},
+        422: {},
+    },
+    openapi_extra=UPLOAD_FORM,
 )
-def upload_adapter(
-    name: Annotated[Name, Form(description="Unique among this tenant's adapters; the `model` to request.")],
-    deployment: Annotated[
-        str,
-        Form(
-            max_length=128, pattern=PRINTABLE, description="The deployment whose base model the adapter fits."
-        ),
-    ],
-    files: Annotated[
-        list[UploadFile],
-        File(description="adapter_config.json and adapter_model.safetensors, or one .zip / .tar.gz of them"),
-    ],
-    request: Request,
-    session: SessionDep,
-    settings: SettingsDep,
-    principal: CurrentTenant,
+async def upload_adapter(
+    request: Request, session: SessionDep, settings: SettingsDep, principal: CurrentTenant
 ) -> AdapterPublic:
-    uploaded = [UploadedFile(filename=f.filename or "", stream=f.file) for f in files]
-    store = LocalArtifactStore(settings.artifacts())
-    return adapters.upload_adapter(
-        session, store, principal.tenant_id, name, deployment, uploaded, settings.max_upload_bytes
+    # Authenticated (CurrentTenant) and within quota before the body is read: see services.multipart.
+    limit = await run_in_threadpool(
+        upload_quota.upload_byte_limit, session, principal.tenant_id, settings.max_upload_bytes
     )
+    limits = multipart.FormLimits(max_file_bytes=limit)
+    multipart.check_content_length(request, limits)
+    async with multipart.receive_form(request, limits, fields=FORM_FIELDS) as form:
+        values = _validated(form.fields, has_files=bool(form.files))
+        store = request.app.state.store  # the one ArtifactStore, made by create_app
+        return await run_in_threadpool(
+            adapters.upload_adapter,
+            session,
+            store,
+            principal.tenant_id,
+            values["name"],
+            values["deployment"],
+            form.files,
+            settings.max_upload_bytes,
+        )
+
+
+def _validated(fields: dict[str, str], has_files: bool) -> dict[str, str]:
+    """The text fields, checked like FastAPI's Form parameters and refused in the same 422 shape."""
+    errors: list[Any] = []
+    if not has_files:
+        errors.append({"type": "missing", "loc": ("body", "files"), "msg": "Field required", "input": None})
+    values: dict[str, str] = {}
+    for field, adapter in FORM_FIELDS.items():
+        if field not in fields:
+            errors.append({"type": "missing", "loc": ("body", field), "msg": "Field required", "input": None})
+            continue
+        try:
+            values[field] = adapter.validate_python(fields[field])
+        except ValidationError as exc:
+            errors.extend({**error, "loc": ("body", field)} for error in exc.errors(include_url=False))
+    if errors:
+        raise RequestValidationError(errors)
+    return values
 
 
 @router.get("")
@@ -57,5 +121,7 @@ def get_adapter(name: AdapterName, session: SessionDep, principal: CurrentTenant
 
 
 @router.delete("/{name}", status_code=status.HTTP_204_NO_CONTENT)
-def delete_adapter(name: AdapterName, session: SessionDep, principal: CurrentTenant) -> None:
-    adapters.delete_adapter(session, principal.tenant_id, name)
+def delete_adapter(
+    name: AdapterName, request: Request, session: SessionDep, principal: CurrentTenant
+) -> None:
+    adapters.delete_adapter(session, principal.tenant_id, name, request.app.state.store)
