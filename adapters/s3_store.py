@@ -165,7 +165,8 @@ class S3ArtifactStore:
                     # MinIO and most self-hosted services only serve path-style addressing.
                     s3={"addressing_style": "path"} if self.endpoint_url else None,
                 )
-                self._client = boto3.client(
+                # A session of its own: boto3's default session caches the credentials it first found.
+                self._client = boto3.session.Session().client(
                     "s3",
                     endpoint_url=self.endpoint_url,
                     region_name=os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION"),
