@@ -17,19 +17,24 @@ from .errors import AdapterError
 from .peft_config import CONFIG_FILE, LoraConfig, read_config
 from .safetensors_header import FLOAT_DTYPES, read_header
 from .shapes import MODULE_PATHS, BaseShape, module_name
+from .strict_json import shown
+from .weights import check_finite
 
 WEIGHTS_FILE = "adapter_model.safetensors"
 PICKLED_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
 _LEAVES = {path.rsplit(".", 1)[1]: short for short, path in MODULE_PATHS.items()}
+# ASCII only and a layer of at most six digits without leading zeros: "model.layers.007" or a Unicode
+# digit must not alias layer 7, and int() never sees a 5000-digit run. fullmatch: `$` would allow "\n".
 _TENSOR_NAME = re.compile(
-    r"^(?:base_model\.model\.)?model\.layers\.(?P<layer>\d+)\.(?:self_attn|mlp)\.(?P<leaf>\w+)"
-    r"\.lora_(?P<part>[AB])(?:\.[\w-]+)?\.weight$"
+    r"(?:base_model\.model\.)?model\.layers\.(?P<layer>0|[1-9][0-9]{0,5})\.(?:self_attn|mlp)\."
+    r"(?P<leaf>[A-Za-z0-9_]+)\.lora_(?P<part>[AB])(?:\.[A-Za-z0-9_-]+)?\.weight",
+    re.ASCII,
 )
 
 
 def parse_tensor_name(name: str) -> tuple[int, str, str] | None:
     """(layer, short module, "A" or "B") of a PEFT LoRA tensor name, or None if it is not one."""
-    match = _TENSOR_NAME.match(name)
+    match = _TENSOR_NAME.fullmatch(name)
     if match is None or match["leaf"] not in _LEAVES:
         return None
     return int(match["layer"]), _LEAVES[match["leaf"]], match["part"]
@@ -94,11 +99,16 @@ def inspect_adapter(directory: str | Path, base: BaseShape) -> AdapterManifest:
         key = parse_tensor_name(name)
         if key is None:
             raise AdapterError(
-                f"{WEIGHTS_FILE}: tensor {name} is not a LoRA A/B weight of a supported projection"
+                f"{WEIGHTS_FILE}: tensor {shown(name)} is not a LoRA A/B weight of a supported projection"
             )
         if info.dtype not in FLOAT_DTYPES:
             raise AdapterError(
-                f"{WEIGHTS_FILE}: tensor {name} has dtype {info.dtype}; expected F32, F16 or BF16"
+                f"{WEIGHTS_FILE}: tensor {shown(name)} has dtype {info.dtype}; expected F32, F16 or BF16"
+            )
+        if key in found:  # e.g. with and without the base_model.model. prefix: which one would load?
+            raise AdapterError(
+                f"{WEIGHTS_FILE}: tensors {shown(found[key][0])} and {shown(name)} are both layer {key[0]} "
+                f"{key[1]} lora_{key[2]}"
             )
         found[key] = (name, info.shape, info.dtype)
 
@@ -124,10 +134,11 @@ def inspect_adapter(directory: str | Path, base: BaseShape) -> AdapterManifest:
         layer, module, part = min(found)
         if layer >= base.num_layers:
             raise AdapterError(
-                f"{found[(layer, module, part)][0]}: layer {layer} is past the base model's "
+                f"{shown(found[(layer, module, part)][0])}: layer {layer} is past the base model's "
                 f"{base.num_layers} layers"
             )
-        raise AdapterError(f"{found[(layer, module, part)][0]} is not targeted by adapter_config.json")
+        raise AdapterError(f"{shown(found[(layer, module, part)][0])} is not targeted by adapter_config.json")
+    check_finite(weights, tensors)  # reads every weight: last, after the checks that cost nothing
     dtypes = sorted({info.dtype for info in tensors.values()})
     return AdapterManifest(
         sha256=adapter_digest(directory),  # the whole adapter's identity: config and weights
