@@ -8,12 +8,15 @@ from contextlib import asynccontextmanager
 
 import httpx
 from fastapi import FastAPI, Request
+from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 
 from . import console
 from .api.limits import BodySizeLimit
 from .api.routes import adapters, deployments, gateway, health, keys, tenants, usage
 from .db.session import Database
+from .services.deployments import all_endpoints
+from .services.discovery import Discovery
 from .services.errors import QuotaExceeded, ServiceError
 from .services.multipart import FORM_OVERHEAD_BYTES
 from .services.routing import Router
@@ -34,8 +37,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         )
         app.state.http = httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=512))
         try:
+            # Follow the pods of every kubernetes:// deployment known now; later ones on first use.
+            await run_in_threadpool(discovery.start, await run_in_threadpool(all_endpoints, db))
             yield
         finally:
+            await run_in_threadpool(discovery.stop)
             await app.state.http.aclose()
             db.dispose()
 
@@ -49,7 +55,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.db = db
     app.state.pepper = settings.pepper()
     app.state.engine_token = settings.engine_token()
-    app.state.router = Router(cooldown_s=settings.endpoint_cooldown_s)
+    discovery = Discovery(settings.kubernetes_discovery, settings.kubernetes_watch_timeout_s)
+    app.state.discovery = discovery
+    app.state.router = Router(cooldown_s=settings.endpoint_cooldown_s, discovery=discovery)
 
     app.add_middleware(
         BodySizeLimit,

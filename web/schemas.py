@@ -6,7 +6,18 @@ import datetime as dt
 import uuid
 from typing import Annotated
 
-from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import (
+    AnyHttpUrl,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    TypeAdapter,
+    ValidationError,
+)
+
+from .services.discovery import is_kubernetes_uri, parse_target
 
 Name = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")]
 # Free text stored or looked up: no control characters (Postgres text cannot hold NUL, logs should not).
@@ -78,13 +89,64 @@ class BaseShapeIn(BaseModel):
     kv_size: Positive
 
 
+_HTTP_URL: TypeAdapter[AnyHttpUrl] = TypeAdapter(AnyHttpUrl)
+
+
+def _endpoint(value: object) -> str:
+    """An engine replica URL, or `kubernetes://<namespace>/<name>` for the pods discovery finds."""
+    if not isinstance(value, str):
+        raise ValueError("an endpoint is a string")
+    if len(value) > 2048:
+        raise ValueError("an endpoint is at most 2048 characters")
+    if is_kubernetes_uri(value):
+        return parse_target(value).uri
+    try:
+        url = _HTTP_URL.validate_python(value)
+    except ValidationError as exc:
+        raise ValueError(
+            f"{value[:100]!r} is neither an http(s):// URL nor kubernetes://<namespace>/<name> "
+            f"({exc.errors()[0]['msg']})"
+        ) from None
+    if url.query or url.fragment:
+        raise ValueError(f"{value[:100]!r}: an endpoint URL has no query or fragment")
+    return str(url).rstrip("/")
+
+
+Endpoint = Annotated[
+    str,
+    BeforeValidator(_endpoint),
+    Field(
+        description="http(s)://host:port of one engine replica, or kubernetes://<namespace>/"
+        "<inferencedeployment> for the ready pods the control plane discovers."
+    ),
+]
+Endpoints = Annotated[list[Endpoint], Field(max_length=256)]
+
+
 class DeploymentCreate(BaseModel):
     name: Name
     base_model: Annotated[str, StringConstraints(min_length=1, max_length=256, pattern=PRINTABLE)]
-    endpoints: Annotated[list[AnyHttpUrl], Field(max_length=256)]
+    endpoints: Endpoints
     shape: BaseShapeIn | None = Field(
         default=None, description="The base model's shapes; omit for a model the control plane knows."
     )
+
+
+class DeploymentUpdate(BaseModel):
+    """What an admin may change in place: the replicas (the base model and shapes fix the adapters)."""
+
+    endpoints: Endpoints
+
+
+class ReplicaPublic(BaseModel):
+    """One replica the gateway may route to now."""
+
+    endpoint: str | None = Field(description="Its URL; null for a pod that has no IP yet.")
+    pod: str | None = Field(description="The engine pod's name; null for a static endpoint.")
+    ready: bool | None = Field(
+        description="Whether discovery counts it ready; null for a static endpoint (tried, not watched)."
+    )
+    detail: str
 
 
 class DeploymentPublic(Public):
@@ -92,6 +154,12 @@ class DeploymentPublic(Public):
     name: str
     base_model: str
     endpoints: list[str]
+    replicas: list[ReplicaPublic] = Field(
+        default_factory=list, description="What the endpoints stand for now (discovered pods, static URLs)."
+    )
+    discovery: str | None = Field(
+        default=None, description="For kubernetes:// endpoints: whether the pods are followed, or why not."
+    )
     shape: BaseShapeIn
     created_at: dt.datetime
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import secrets
 from ipaddress import IPv4Network, IPv6Network
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -27,6 +28,12 @@ class Settings(BaseSettings):
     engine_read_timeout_s: float = Field(default=300.0, gt=0)
     # A replica that refused a connection is skipped for this long before it is tried again.
     endpoint_cooldown_s: float = Field(default=10.0, ge=0)
+    # Replica discovery for kubernetes://<namespace>/<name> deployment endpoints: "auto" watches pods when
+    # a cluster configuration exists (in a pod, or KUBECONFIG / ~/.kube/config), "on" refuses to start
+    # without one, "off" never asks the Kubernetes API (such deployments then have no replicas).
+    kubernetes_discovery: Literal["auto", "on", "off"] = "auto"
+    # How long one pod WATCH lasts before the API server ends it and it is resumed.
+    kubernetes_watch_timeout_s: float = Field(default=300.0, ge=1, le=3600)
     # The completion limit of a gateway request that names none: forwarded to the engine as max_tokens,
     # so the tokens-per-minute reservation (prompt + this) bounds what the request can produce.
     default_max_tokens: int = Field(default=256, gt=0, le=65_536)

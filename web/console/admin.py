@@ -228,10 +228,10 @@ async def _deployments_page(request: Request, status_code: int = 200, **extra: A
 
     def load() -> list[Any]:
         with db.session() as session:
-            return list(deployments.list_deployments(session))
+            return list(deployments.list_deployments(session, request.app.state.discovery))
 
     rows = await run_in_threadpool(load)
-    health = await replicas.probe_all(request.app.state.http, [e for d in rows for e in d.endpoints])
+    health = await replicas.deployment_health(request.app.state.http, rows)
     context = {
         "title": "Deployments",
         "active": "admin-deployments",

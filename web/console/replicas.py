@@ -1,16 +1,20 @@
 """The health of a deployment's engine replicas, asked for when an admin opens the page.
 
 Each replica is probed at once (concurrently, two seconds at most): `/ready` says whether it serves
-(200) or why not (503 with a reason); a replica without `/ready` is judged by `/health`.
+(200) or why not (503 with a reason); a replica without `/ready` is judged by `/health`. The replicas of a
+`kubernetes://` deployment are the pods discovery sees: ready ones are probed too, the others show why
+Kubernetes does not count them ready.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import httpx
+
+from ..schemas import DeploymentPublic
 
 PROBE_TIMEOUT_S = 2.0
 
@@ -21,6 +25,7 @@ class ReplicaHealth:
     state: str  # "ready", "not ready" or "unreachable"
     detail: str
     latency_ms: int | None
+    pod: str | None = None  # the engine pod, for a discovered replica
 
 
 async def probe(client: httpx.AsyncClient, endpoint: str) -> ReplicaHealth:
@@ -49,3 +54,24 @@ async def probe_all(client: httpx.AsyncClient, endpoints: list[str]) -> dict[str
     unique = list(dict.fromkeys(endpoints))
     results = await asyncio.gather(*(probe(client, e) for e in unique))
     return {r.endpoint: r for r in results}
+
+
+async def deployment_health(
+    client: httpx.AsyncClient, rows: list[DeploymentPublic]
+) -> dict[str, list[ReplicaHealth]]:
+    """Each deployment's replicas (static URLs, discovered pods), probed where there is a URL to ask."""
+    wanted = [r.endpoint for d in rows for r in d.replicas if r.endpoint and r.ready is not False]
+    probed = await probe_all(client, wanted)
+    health: dict[str, list[ReplicaHealth]] = {}
+    for row in rows:
+        entries = health.setdefault(row.name, [])
+        for replica in row.replicas:
+            if replica.endpoint and replica.ready is not False:
+                entries.append(replace(probed[replica.endpoint], pod=replica.pod))
+            else:  # Kubernetes says not ready: the gateway skips it, so there is nothing to probe
+                entries.append(
+                    ReplicaHealth(
+                        replica.endpoint or "no IP yet", "not ready", replica.detail, None, replica.pod
+                    )
+                )
+    return health

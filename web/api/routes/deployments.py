@@ -1,10 +1,10 @@
-"""Admin: deployments (a base model and its engine replicas)."""
+"""Admin: deployments (a base model and its engine replicas, static or discovered in Kubernetes)."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter, status
+from fastapi import APIRouter, Request, status
 
-from ...schemas import DeploymentCreate, DeploymentPublic
+from ...schemas import DeploymentCreate, DeploymentPublic, DeploymentUpdate
 from ...services import deployments
 from ..deps import AdminDep, SessionDep
 
@@ -12,10 +12,26 @@ router = APIRouter(prefix="/admin/v1/deployments", tags=["admin"])
 
 
 @router.post("", status_code=status.HTTP_201_CREATED)
-def create_deployment(body: DeploymentCreate, session: SessionDep, _: AdminDep) -> DeploymentPublic:
-    return deployments.create_deployment(session, body)
+def create_deployment(
+    body: DeploymentCreate, request: Request, session: SessionDep, _: AdminDep
+) -> DeploymentPublic:
+    made = deployments.create_deployment(session, body)
+    return deployments.with_replicas(made, request.app.state.discovery)
 
 
 @router.get("")
-def list_deployments(session: SessionDep, _: AdminDep) -> list[DeploymentPublic]:
-    return deployments.list_deployments(session)
+def list_deployments(request: Request, session: SessionDep, _: AdminDep) -> list[DeploymentPublic]:
+    return deployments.list_deployments(session, request.app.state.discovery)
+
+
+@router.get("/{name}")
+def get_deployment(name: str, request: Request, session: SessionDep, _: AdminDep) -> DeploymentPublic:
+    return deployments.to_public(deployments.by_name(session, name), request.app.state.discovery)
+
+
+@router.patch("/{name}")
+def update_deployment(
+    name: str, body: DeploymentUpdate, request: Request, session: SessionDep, _: AdminDep
+) -> DeploymentPublic:
+    updated = deployments.update_deployment(session, name, body)
+    return deployments.with_replicas(updated, request.app.state.discovery)
