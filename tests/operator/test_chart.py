@@ -2,16 +2,27 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import datetime
+import json
+import threading
+import urllib.request
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import aiohttp.web
 import helm_python as helm
+import kmock
 import kubernetes_validate
 import pytest
 import yaml
+from kmock._internal import enums, rendering
 
 from loraplex.operator.generate_chart_crds import expected
+from tests.operator.apiserver import StrictApiServer
 from tests.operator.helpers import KUBE_VERSION, ROOT, crd
 
 CHART = ROOT / "charts" / "loraplex"
@@ -238,3 +249,116 @@ def test_values_schema_rejects_a_typo() -> None:
     with pytest.raises(helm.HelmError):
         chart.validate_schema({"web": {"replicas": -1}})
     chart.validate_schema(values("gpu"))
+
+
+# --- a real install and upgrade (Helm's Go SDK) on the API emulator: `lookup` keeps the secrets -------
+
+
+class HelmableApiServer(StrictApiServer):
+    """The strict emulator plus what Helm's release actions need of an API server: a version the chart's
+    kubeVersion accepts, a core group named "v1" (kmock says "/v1"), an (empty) OpenAPI document for Helm's
+    validation, and server-side apply that creates a missing object (Helm 4 applies every object)."""
+
+    async def _serve_server_version(self, request: rendering.Request) -> rendering.Payload:
+        version = await super()._serve_server_version(request)
+        return {**version, "minor": "33", "gitVersion": "v1.33.0"}
+
+    async def _serve_version(self, request: rendering.Request) -> rendering.Payload:
+        listing = await super()._serve_version(request)
+        return {**listing, "groupVersion": listing["groupVersion"].lstrip("/")}
+
+    async def _handle(self, request: rendering.Request) -> Any:
+        if str(request.url.path).startswith("/openapi/v2"):
+            # An empty protobuf message is an empty OpenAPI document: nothing to validate against.
+            media = "application/com.github.proto-openapi.spec.v2.v1.0+protobuf"
+            return aiohttp.web.Response(body=b"", headers={"Content-Type": media})
+        if request.resource is not None and request.action == enums.action.UPDATE and request.name:
+            key = (request.resource, request.namespace, request.name)
+            if key not in self.objects or self.objects[key].deleted:
+                data = request.data if isinstance(request.data, dict) else json.loads(request.data)
+                meta = data.setdefault("metadata", {})
+                now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+                meta.update(uid=str(uuid.uuid4()), generation=1, creationTimestamp=now)
+                meta["resourceVersion"] = self._next_version()
+                self.objects[key] = data
+        return await super()._handle(request)
+
+
+HELM_RESOURCES = [
+    ("v1/secrets", "Secret", True),
+    ("v1/services", "Service", True),
+    ("v1/serviceaccounts", "ServiceAccount", True),
+    ("v1/namespaces", "Namespace", False),
+    ("apps/v1/deployments", "Deployment", True),
+    ("apps/v1/statefulsets", "StatefulSet", True),
+    ("batch/v1/jobs", "Job", True),
+    ("rbac.authorization.k8s.io/v1/roles", "Role", True),
+    ("rbac.authorization.k8s.io/v1/rolebindings", "RoleBinding", True),
+    ("rbac.authorization.k8s.io/v1/clusterroles", "ClusterRole", False),
+    ("rbac.authorization.k8s.io/v1/clusterrolebindings", "ClusterRoleBinding", False),
+    ("networking.k8s.io/v1/networkpolicies", "NetworkPolicy", True),
+    ("apiextensions.k8s.io/v1/customresourcedefinitions", "CustomResourceDefinition", False),
+]
+
+
+@pytest.fixture
+def api_server() -> Iterator[str]:
+    """The emulator on a loop in a thread (Helm's calls block); yields its URL."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+
+    async def start() -> tuple[HelmableApiServer, kmock.Server]:
+        api = HelmableApiServer()
+        for key, kind, namespaced in HELM_RESOURCES:
+            api.declare(key, kind, (), namespaced)
+        await api.__aenter__()
+        server = kmock.Server(api)
+        await server.__aenter__()
+        return api, server
+
+    api, server = asyncio.run_coroutine_threadsafe(start(), loop).result(timeout=20)
+    try:
+        yield str(server.url).rstrip("/")
+    finally:
+
+        async def stop() -> None:
+            await server.__aexit__(None, None, None)
+            await api.__aexit__(None, None, None)
+
+        asyncio.run_coroutine_threadsafe(stop(), loop).result(timeout=20)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=10)
+
+
+def live_secret(url: str, name: str) -> dict[str, str]:
+    with urllib.request.urlopen(f"{url}/api/v1/namespaces/loraplex/secrets/{name}", timeout=10) as response:
+        return dict(json.load(response)["data"])
+
+
+def test_an_upgrade_keeps_the_generated_secrets(api_server: str) -> None:
+    kubeconfig = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [{"name": "emulator", "cluster": {"server": api_server}}],
+        "users": [{"name": "tester", "user": {"token": "t"}}],
+        "contexts": [{"name": "emulator", "context": {"cluster": "emulator", "user": "tester"}}],
+        "current-context": "emulator",
+    }
+    config = helm.Config(
+        kubeconfig_content=json.dumps(kubeconfig), storage_driver="memory", namespace="loraplex"
+    )
+    # No Job controller in the emulator: the migration hook would never complete.
+    chart_values = {"web": {"migration": {"enabled": False}}}
+    config.install(CHART, "loraplex", chart_values, namespace="loraplex", timeout=60)
+    shared, database = (
+        live_secret(api_server, "loraplex-secrets"),
+        live_secret(api_server, "loraplex-database"),
+    )
+    assert set(shared) == set(SHARED_SECRETS.values())
+    config.upgrade(
+        CHART, "loraplex", {**chart_values, "web": {**chart_values["web"], "replicas": 3}}, timeout=60
+    )
+    assert live_secret(api_server, "loraplex-secrets") == shared
+    # The hook Secret is deleted and re-created on upgrade, with the same in-chart Postgres password.
+    assert live_secret(api_server, "loraplex-database") == database
