@@ -31,7 +31,27 @@ VALUE_FILES = {"default": None, "gpu": CHART / "values-gpu.yaml"}
 
 def render(values: dict[str, Any] | None) -> list[dict[str, Any]]:
     manifests = helm.Chart.load(CHART).render(values, name="loraplex", namespace="loraplex", is_install=True)
-    return [doc for text in manifests.values() for doc in yaml.safe_load_all(text) if doc]
+    objects = (yaml.safe_load_all(text) for path, text in manifests.items() if not path.endswith("NOTES.txt"))
+    return [doc for docs in objects for doc in docs if doc]
+
+
+def notes(values: dict[str, Any] | None) -> str:
+    manifests = helm.Chart.load(CHART).render(values, name="loraplex", namespace="loraplex", is_install=True)
+    return next(text for path, text in manifests.items() if path.endswith("NOTES.txt"))
+
+
+def test_notes_name_the_token_secret_and_warn_without_a_store() -> None:
+    text = notes(None)
+    assert "internalTokenSecretRef: {name: loraplex-secrets, key: internal-token}" in text
+    assert "adapterStore.uri is empty" in text and "for evaluation" in text
+    quiet = notes(
+        {
+            "adapterStore": {"uri": "s3://b/p"},
+            "postgresql": {"enabled": False},
+            "database": {"url": "postgresql://x"},
+        }
+    )
+    assert "WARNING" not in quiet and "for evaluation" not in quiet
 
 
 def values(name: str) -> dict[str, Any] | None:
