@@ -11,10 +11,13 @@ from fastapi import FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 
+from loraplex.adapters import ArtifactStore
+
 from . import console
 from .api.limits import BodySizeLimit
-from .api.routes import adapters, deployments, gateway, health, keys, tenants, usage
+from .api.routes import adapters, deployments, gateway, health, keys, storage, tenants, usage
 from .db.session import Database
+from .services import adapters as adapters_service
 from .services.deployments import all_endpoints
 from .services.discovery import Discovery
 from .services.errors import QuotaExceeded, ServiceError
@@ -36,6 +39,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             settings.engine_read_timeout_s, connect=settings.engine_connect_timeout_s, pool=30.0
         )
         app.state.http = httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=512))
+        # Objects whose last adapter was deleted while the store was down are deleted now.
+        await run_in_threadpool(_sweep, db, app.state.store)
         try:
             # Follow the pods of every kubernetes:// deployment known now; later ones on first use.
             await run_in_threadpool(discovery.start, await run_in_threadpool(all_endpoints, db))
@@ -55,6 +60,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.db = db
     app.state.pepper = settings.pepper()
     app.state.engine_token = settings.engine_token()
+    # One artifact store for every upload and delete (routes, console, bootstrap), made once here.
+    app.state.store = settings.artifact_store()
     discovery = Discovery(settings.kubernetes_discovery, settings.kubernetes_watch_timeout_s)
     app.state.discovery = discovery
     app.state.router = Router(cooldown_s=settings.endpoint_cooldown_s, discovery=discovery)
@@ -65,11 +72,19 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         upload_bytes=settings.max_upload_bytes + FORM_OVERHEAD_BYTES,  # files + multipart framing
     )
     app.add_exception_handler(ServiceError, _service_error)  # type: ignore[arg-type]
-    for module in (health, tenants, deployments, keys, adapters, usage, gateway):
+    for module in (health, tenants, deployments, keys, adapters, storage, usage, gateway):
         app.include_router(module.router)
     gateway.install_error_handlers(app)
     console.install(app, settings)
     return app
+
+
+def _sweep(db: Database, store: ArtifactStore) -> None:
+    try:
+        with db.session() as session:
+            adapters_service.sweep_artifacts(session, store)
+    except Exception:  # never fatal: the next start or delete retries
+        log.exception("sweeping unreferenced artifacts failed")
 
 
 async def _service_error(request: Request, exc: ServiceError) -> JSONResponse:

@@ -17,9 +17,9 @@ from pathlib import Path
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from loraplex.adapters import LocalArtifactStore
+from loraplex.adapters import ArtifactStore, adapter_digest
 
-from .db.models import ApiKey, Deployment, Tenant, UserRole
+from .db.models import AdapterStatus, ApiKey, Deployment, Tenant, UserRole
 from .db.session import Database
 from .schemas import DeploymentCreate
 from .services import adapters, deployments, keys, tenants, users
@@ -64,8 +64,7 @@ def ensure_demo(
             api_key = saved.get("api_key", "")
             if not _key_works(session, api_key, pepper):
                 api_key = keys.create_key(session, tenant_id, "loraplex up", pepper).key
-            if adapters.find_adapter(session, tenant_id, DEMO_ADAPTER) is None:
-                _upload(session, settings, tenant_id, adapter_dir)
+            _ensure_adapter(session, settings, tenant_id, adapter_dir)
     finally:
         if database is None:
             db.dispose()
@@ -93,14 +92,27 @@ def _key_works(session: Session, key: str, pepper: bytes) -> bool:
     return row is not None and row.revoked_at is None and row.expires_at is None
 
 
-def _upload(session: Session, settings: Settings, tenant_id: uuid.UUID, adapter_dir: Path) -> None:
+def _ensure_adapter(session: Session, settings: Settings, tenant_id: uuid.UUID, adapter_dir: Path) -> None:
+    """Upload the demo adapter unless it is there, ready, with the digest of the one shipped now (an
+    older release's adapter, or one stored before whole-adapter digests, is replaced)."""
+    store = settings.artifact_store()
+    existing = adapters.find_adapter(session, tenant_id, DEMO_ADAPTER)
+    if existing is not None:
+        if existing.status == AdapterStatus.READY and existing.sha256 == adapter_digest(adapter_dir):
+            return
+        adapters.delete_adapter(session, tenant_id, DEMO_ADAPTER, store)
+    _upload(session, settings, store, tenant_id, adapter_dir)
+
+
+def _upload(
+    session: Session, settings: Settings, store: ArtifactStore, tenant_id: uuid.UUID, adapter_dir: Path
+) -> None:
     files = sorted(p for p in adapter_dir.iterdir() if p.suffix in (".json", ".safetensors"))
     if not files:
         raise FileNotFoundError(f"no PEFT adapter files in {adapter_dir}")
     streams = [p.open("rb") for p in files]
     try:
         uploaded = [UploadedFile(p.name, s) for p, s in zip(files, streams, strict=True)]
-        store = LocalArtifactStore(settings.artifacts())
         limit = settings.max_upload_bytes
         adapters.upload_adapter(session, store, tenant_id, DEMO_ADAPTER, DEPLOYMENT, uploaded, limit)
     finally:

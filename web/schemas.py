@@ -39,6 +39,9 @@ class QuotaUpdate(BaseModel):
     tokens_per_minute: Count | None = None
     max_adapters: Count | None = None
     max_adapter_bytes: Bytes | None = None
+    max_storage_bytes: Bytes | None = Field(
+        default=None, description="Total bytes of the tenant's adapters (config and weights); null: no limit."
+    )
 
 
 class QuotaPublic(Public, QuotaUpdate):
@@ -176,6 +179,15 @@ class AdapterPublic(Public):
     bytes: int
     sha256: str | None
     created_at: dt.datetime
+
+
+class StorageUsagePublic(BaseModel):
+    """A tenant's adapters and the bytes they take, beside the quotas they count against (null: unlimited)."""
+
+    adapters: int
+    max_adapters: int | None
+    bytes: int = Field(description="Config and weights of all the tenant's adapters (copies count again).")
+    max_storage_bytes: int | None
 
 
 class UsageRow(BaseModel):

@@ -10,6 +10,8 @@ from typing import Literal
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from loraplex.adapters import AdapterError, ArtifactStore, LocalArtifactStore, open_store
+
 
 class Settings(BaseSettings):
     """Everything the control plane needs; unset secrets are generated once and kept under data_dir."""
@@ -22,6 +24,11 @@ class Settings(BaseSettings):
     admin_token: SecretStr | None = None
     key_pepper: SecretStr | None = None
     internal_token: SecretStr | None = None
+    # Where adapters are stored (LORAPLEX_ADAPTER_STORE; engines read the same setting): a directory,
+    # file://..., or s3://bucket/prefix. Unset: <data_dir>/artifacts (or LORAPLEX_ARTIFACT_ROOT, old name).
+    adapter_store: str = ""
+    # An S3-compatible service other than AWS (MinIO, Ceph RGW, ...); credentials come from AWS_* variables.
+    s3_endpoint_url: str | None = None
     artifact_root: Path | None = None
     max_upload_bytes: int = Field(default=512 * 1024 * 1024, gt=0)
     engine_connect_timeout_s: float = Field(default=5.0, gt=0)
@@ -55,9 +62,21 @@ class Settings(BaseSettings):
     def _defaults(self) -> Settings:
         if not self.database_url:
             self.database_url = f"sqlite:///{self.data_dir / 'loraplex.db'}"
-        if self.artifact_root is None:
+        if not self.adapter_store:
+            self.adapter_store = str(self.artifact_root or self.data_dir / "artifacts")
+        try:
+            store = self.artifact_store()
+        except (ValueError, AdapterError) as exc:
+            raise ValueError(f"LORAPLEX_ADAPTER_STORE: {exc}") from None
+        if isinstance(store, LocalArtifactStore):
+            self.artifact_root = store.root
+        elif self.artifact_root is None:
             self.artifact_root = self.data_dir / "artifacts"
         return self
+
+    def artifact_store(self) -> ArtifactStore:
+        """The store adapters are written to (no connection is made until it is used)."""
+        return open_store(self.adapter_store, endpoint_url=self.s3_endpoint_url or None)
 
     @model_validator(mode="after")
     def _trusted_proxies_are_networks(self) -> Settings:

@@ -55,7 +55,8 @@ def test_upload_loose_files_validates_and_stores(
     body = response.json()
     assert body["status"] == "ready" and body["rank"] == 8
     assert body["target_modules"] == ["q", "v"] and body["deployment"] == "tiny"
-    assert body["bytes"] == (peft_dir / "adapter_model.safetensors").stat().st_size
+    stored_files = ("adapter_config.json", "adapter_model.safetensors")  # bytes counts both, as quotas do
+    assert body["bytes"] == sum((peft_dir / name).stat().st_size for name in stored_files)
     assert "storage_uri" not in body
     assert len(stored(client)) == 2
     assert client.get("/api/v1/adapters/a1", headers=tenant).json()["sha256"] == body["sha256"]

@@ -35,6 +35,7 @@ def test_tenant_lifecycle(client: TestClient, api: Api) -> None:
         "tokens_per_minute": None,
         "max_adapters": None,
         "max_adapter_bytes": None,
+        "max_storage_bytes": None,
     }
     assert client.post("/admin/v1/tenants", json={"name": "acme"}, headers=ADMIN).status_code == 409
     url = f"/admin/v1/tenants/{tenant['id']}"
@@ -42,7 +43,13 @@ def test_tenant_lifecycle(client: TestClient, api: Api) -> None:
 
     patched = client.patch(url, json={"name": "acme-2", "disabled": True}, headers=ADMIN)
     assert patched.status_code == 200 and patched.json()["disabled"] is True
-    quota = {"requests_per_minute": 10, "tokens_per_minute": 1000, "max_adapters": 3, "max_adapter_bytes": 5}
+    quota = {
+        "requests_per_minute": 10,
+        "tokens_per_minute": 1000,
+        "max_adapters": 3,
+        "max_adapter_bytes": 5,
+        "max_storage_bytes": 7,
+    }
     assert client.put(f"{url}/quota", json=quota, headers=ADMIN).json() == quota
     assert client.get(url, headers=ADMIN).json()["quota"] == quota
     assert [t["name"] for t in client.get("/admin/v1/tenants", headers=ADMIN).json()] == ["acme-2"]

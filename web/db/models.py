@@ -134,8 +134,38 @@ class Quota(Base):
     tokens_per_minute: Mapped[int | None]
     max_adapters: Mapped[int | None]
     max_adapter_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    # The total bytes of the tenant's adapters (config and weights; two adapters with one digest count twice).
+    max_storage_bytes: Mapped[int | None] = mapped_column(BigInteger)
 
     tenant: Mapped[Tenant] = relationship(back_populates="quota")
+
+
+class StorageUsage(Base):
+    """How many adapters a tenant has and the bytes they take: the counters its storage quotas are
+    enforced on, each change a single conditional UPDATE, so parallel uploads cannot overshoot."""
+
+    __tablename__ = "storage_usage"
+
+    tenant_id: Mapped[uuid.UUID] = mapped_column(
+        ForeignKey("tenants.id", ondelete="CASCADE"), primary_key=True
+    )
+    adapters: Mapped[int] = mapped_column(default=0)
+    bytes: Mapped[int] = mapped_column(BigInteger, default=0)
+
+
+class Artifact(Base):
+    """One adapter in the artifact store, shared by every adapter row with its digest. `refcount` counts
+    those rows; at zero the object is deleted from the store and then this row (services/adapters.py)."""
+
+    __tablename__ = "artifacts"
+
+    digest: Mapped[str] = mapped_column(String(64), primary_key=True)
+    # Where the store keeps it; set when an upload reserves the row, before the object is written, so
+    # an upload cut short still leaves a row that says what to clean up.
+    uri: Mapped[str] = mapped_column(Text)
+    bytes: Mapped[int] = mapped_column(BigInteger, default=0)
+    refcount: Mapped[int] = mapped_column(default=0)
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
 
 
 class RateWindow(Base):
