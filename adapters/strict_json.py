@@ -19,7 +19,7 @@ from .errors import AdapterError
 
 # 2**64 has 20 digits: enough for any offset, shape or count an adapter file can hold.
 MAX_INT_DIGITS = 20
-_MAX_SHOWN = 60
+_MAX_SHOWN = 160  # long enough for any real tensor or module name
 _OPEN = np.frombuffer(b"[{", dtype=np.uint8)
 _CLOSE = np.frombuffer(b"]}", dtype=np.uint8)
 # After escaped backslashes and escaped quotes are gone, a JSON string is a quote, non-quotes, a quote.
