@@ -16,10 +16,12 @@ from fastapi.testclient import TestClient
 from sqlalchemy import select
 
 from loraplex.adapters import fetch_local
+from loraplex.engine.server import limits
 from loraplex.web.db.models import Deployment, UsageRecord
 from loraplex.web.services.gateway import estimate_tokens
 from loraplex.web.services.routing import rendezvous_order
 
+from ..security.engine_stub import Engine
 from .conftest import ADMIN, SHAPE, Api, free_port, loose, upload
 from .servers import StubEngine, serve
 
@@ -272,3 +274,149 @@ def test_unreachable_deployment_is_503_and_recorded(pg_url: str, app_factory: Ca
         assert response.status_code == 503 and response.json()["error"]["type"] == "server_error"
         with client.app.state.db.session() as session:  # type: ignore[attr-defined]
             assert [r.status for r in session.scalars(select(UsageRecord))] == ["no_replica"]
+
+
+# -- caps on what a request body may hold (engine/server/limits.py, checked before anything is spent) ---
+
+
+def _caps_client(client: TestClient) -> dict[str, str]:
+    api = Api(client)
+    api.deployment("tiny", "tiny-llama", [f"http://127.0.0.1:{free_port()}"], shape=SHAPE)
+    return api.tenant_with_key("acme")[1]
+
+
+def _completion(**extra: object) -> dict[str, object]:
+    return {"model": "tiny-llama", "prompt": "hi", **extra}
+
+
+CAPPED = [
+    ("stop", _completion(stop=["x"] * (limits.MAX_STOP_SEQUENCES + 1))),
+    ("stop", _completion(stop="x" * (limits.MAX_STOP_CHARS + 1))),
+    ("stop", _completion(stop=[1])),
+    ("logit_bias", _completion(logit_bias={str(i): 1 for i in range(limits.MAX_LOGIT_BIAS_ENTRIES + 1)})),
+    ("logit_bias", _completion(logit_bias={"5": 100.5})),
+    ("logit_bias", _completion(logit_bias={"9" * 5000: 1})),
+    ("logit_bias", _completion(logit_bias=[1, 2])),
+    ("n", _completion(n=limits.MAX_CHOICES + 1)),
+    ("n", _completion(n=0)),
+    ("best_of", _completion(best_of=3)),
+    ("max_tokens", _completion(max_tokens=0)),
+    ("max_tokens", _completion(max_tokens=limits.MAX_COMPLETION_TOKENS + 1)),
+    ("max_completion_tokens", _completion(max_completion_tokens=5)),  # not a /v1/completions field
+    ("prompt", _completion(prompt="x" * (limits.MAX_PROMPT_CHARS + 1))),
+    ("prompt", _completion(prompt=["a"] * (limits.MAX_PROMPT_TOKENS + 1))),
+]
+
+
+@pytest.mark.parametrize(("field", "body"), CAPPED, ids=[f"{f}-{i}" for i, (f, _) in enumerate(CAPPED)])
+def test_caps_are_400s_naming_the_field(
+    sqlite_url: str, app_factory: Callable[..., FastAPI], field: str, body: dict[str, object]
+) -> None:
+    with TestClient(app_factory(sqlite_url)) as client:
+        headers = _caps_client(client)
+        response = client.post("/v1/completions", json=body, headers=headers)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == field and error["type"] == "invalid_request_error"
+    assert field in error["message"]
+
+
+def test_chat_caps_and_hostile_json(sqlite_url: str, app_factory: Callable[..., FastAPI]) -> None:
+    with TestClient(app_factory(sqlite_url)) as client:
+        headers = {**_caps_client(client), "Content-Type": "application/json"}
+        chat = {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}]}
+
+        def post(content: bytes, path: str = "/v1/chat/completions") -> dict[str, object]:
+            response = client.post(path, content=content, headers=headers)
+            assert 400 <= response.status_code < 500, response.text
+            return {"status": response.status_code, **response.json()["error"]}
+
+        many = {**chat, "messages": [{"role": "user", "content": "x"}] * (limits.MAX_CHAT_MESSAGES + 1)}
+        assert post(json.dumps(many).encode())["param"] == "messages"
+        zero = {**chat, "max_completion_tokens": 0}
+        assert post(json.dumps(zero).encode())["param"] == "max_completion_tokens"
+        # Python's json would take these; a request must not.
+        for number in (b"NaN", b"Infinity", b"-Infinity", b"1e999"):
+            error = post(
+                b'{"model": "tiny-llama", "prompt": "hi", "temperature": ' + number + b"}", "/v1/completions"
+            )
+            assert error["status"] == 400 and "not" in str(error["message"])
+        assert post(b"[" * 100_000 + b"]" * 100_000)["status"] == 400
+        assert post(b"[1, 2]")["message"] == "request body must be a JSON object"
+        huge = json.dumps({**chat, "user": "x" * limits.MAX_REQUEST_BODY_BYTES}).encode()
+        error = post(huge)
+        assert error["status"] == 413 and error["code"] == "request_too_large"
+        # Nothing was admitted or recorded for any of them.
+        with client.app.state.db.session() as session:  # type: ignore[attr-defined]
+            assert list(session.scalars(select(UsageRecord))) == []
+
+
+# -- the engine's verdict on an adapter ------------------------------------------------------------------
+
+
+@dataclass
+class Failing:
+    url: str
+    engine: Engine
+    admin: TestClient
+    headers: dict[str, str]
+    adapter: dict[str, object]
+
+    def adapter_row(self) -> dict[str, object]:
+        rows = self.admin.get("/api/v1/adapters", headers=self.headers).json()
+        rows = rows["adapters"] if isinstance(rows, dict) else rows
+        return next(r for r in rows if r["id"] == self.adapter["id"])
+
+
+@pytest.fixture
+def failing(pg_url: str, app_factory: Callable[..., FastAPI], peft_dir: Path) -> Iterator[Failing]:
+    with ExitStack() as stack:
+        engine = Engine()
+        engine_url = stack.enter_context(serve(engine.app()))
+        url = stack.enter_context(serve(app_factory(pg_url)))
+        admin = stack.enter_context(TestClient(app_factory(pg_url)))
+        api = Api(admin)
+        api.deployment("tiny", "tiny-llama", [engine_url], shape=SHAPE)
+        _, headers = api.tenant_with_key("acme")
+        made = upload(admin, headers, loose(peft_dir), name="poet")
+        assert made.status_code == 201, made.text
+        yield Failing(url, engine, admin, headers, made.json())
+
+
+REASON = "adapter_model.safetensors: base_model.model.layers.0.self_attn.q_proj.lora_A.weight holds NaN"
+
+
+def test_adapter_failed_marks_the_adapter_failed_and_is_a_422(failing: Failing) -> None:
+    failing.engine.refuse = (422, "adapter_failed", REASON + "\x1b[31m\n")
+    with httpx.Client(base_url=failing.url, headers=failing.headers, timeout=10) as client:
+        response = client.post("/v1/chat/completions", json=chat())
+        assert response.status_code == 422
+        assert response.json()["error"]["code"] == "adapter_failed"
+        row = failing.adapter_row()
+        assert row["status"] == "failed" and row["error"] == REASON + " [31m"
+        # From now on the adapter is not served: no second trip to the engine.
+        again = client.post("/v1/chat/completions", json=chat())
+        assert again.status_code == 404
+    assert len(failing.engine.received) == 1
+
+
+def test_adapter_failed_mid_stream_is_an_sse_error_and_marks_the_adapter(failing: Failing) -> None:
+    failing.engine.fail_after = (2, REASON)
+    with httpx.Client(base_url=failing.url, headers=failing.headers, timeout=10) as client:
+        text = client.post("/v1/chat/completions", json=chat(stream=True, max_tokens=10)).text
+    events = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+    assert events[-1]["error"]["code"] == "adapter_failed"
+    deadline = time.monotonic() + 10
+    while failing.adapter_row()["status"] != "failed":
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert failing.adapter_row()["error"] == REASON
+
+
+def test_adapter_unavailable_is_a_503_and_marks_nothing(failing: Failing) -> None:
+    failing.engine.refuse = (422, "adapter_unavailable", "the artifact store did not answer")
+    with httpx.Client(base_url=failing.url, headers=failing.headers, timeout=10) as client:
+        response = client.post("/v1/chat/completions", json=chat())
+    assert response.status_code == 503 and response.headers["Retry-After"]
+    assert response.json()["error"]["code"] == "adapter_unavailable"
+    assert failing.adapter_row()["status"] == "ready"
