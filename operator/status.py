@@ -8,7 +8,7 @@ Pure functions of plain dicts; `now` is passed in so tests pin time.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 
@@ -53,7 +53,7 @@ FAILING_WAITING_REASONS = frozenset(
 MAX_FAILURE_MESSAGE = 1024
 
 
-def engine_failure(pods: list[Mapping[str, Any]]) -> str | None:
+def engine_failure(pods: Sequence[Mapping[str, Any]]) -> str | None:
     """Why engine pods fail to start, from the first failing container (termination message first); None if
     none fails. Pods being deleted are skipped: their exit is expected."""
     for pod in sorted(pods, key=lambda p: str((p.get("metadata") or {}).get("name", ""))):

@@ -284,8 +284,8 @@ class HelmableApiServer(StrictApiServer):
         return {**version, "minor": "33", "gitVersion": "v1.33.0"}
 
     async def _serve_version(self, request: rendering.Request) -> rendering.Payload:
-        listing = await super()._serve_version(request)
-        return {**listing, "groupVersion": listing["groupVersion"].lstrip("/")}
+        listing: dict[str, Any] = dict(await super()._serve_version(request))  # type: ignore[arg-type]
+        return {**listing, "groupVersion": str(listing["groupVersion"]).lstrip("/")}
 
     async def _handle(self, request: rendering.Request) -> Any:
         if str(request.url.path).startswith("/openapi/v2"):

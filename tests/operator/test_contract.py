@@ -17,6 +17,7 @@ import jsonschema
 import pytest
 from fastapi.testclient import TestClient
 from kopf.cli import main as kopf_main
+from pydantic_settings import BaseSettings
 
 from loraplex.cli.main import build_parser
 from loraplex.engine.server.settings import ServerSettings
@@ -68,7 +69,7 @@ def loraplex_env_names(workload: dict[str, Any], config_maps: list[dict[str, Any
     return {name for name in names if name.startswith("LORAPLEX_")}
 
 
-def env_fields(settings_class: type) -> set[str]:
+def env_fields(settings_class: type[BaseSettings]) -> set[str]:
     return {f"LORAPLEX_{name.upper()}" for name in settings_class.model_fields}
 
 
