@@ -178,7 +178,7 @@ def check_caps(body: dict[str, Any], endpoint: str) -> None:
         if endpoint == "chat/completions":
             messages = body.get("messages") or []
             limits.check_chat_messages(len(messages))
-            limits.check_prompt_chars("messages", len(prompt_text(body)))
+            limits.check_prompt_chars("messages", content_chars(messages))
         else:
             prompt = body.get("prompt")
             prompts = prompt if isinstance(prompt, list) else [prompt]
@@ -188,6 +188,21 @@ def check_caps(body: dict[str, Any], endpoint: str) -> None:
                     limits.check_prompt_chars("prompt", len(item))
     except limits.LimitExceeded as exc:
         raise BadRequest(exc.param, str(exc)) from None
+
+
+def content_chars(messages: Any) -> int:
+    """Characters of text in chat messages, counted as the engine counts them (string contents and the
+    text of content parts)."""
+    total = 0
+    for message in messages if isinstance(messages, list) else []:
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, str):
+            total += len(content)
+        elif isinstance(content, list):
+            total += sum(
+                len(p["text"]) for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)
+            )
+    return total
 
 
 def set_completion_limit(body: dict[str, Any], endpoint: str, default: int) -> int:
