@@ -149,6 +149,13 @@ def test_every_web_replica_reads_the_same_generated_secrets() -> None:
         assert env[name]["valueFrom"]["secretKeyRef"] == {"name": "loraplex-secrets", "key": key}
 
 
+def test_engine_namespaces_get_a_copy_of_the_internal_token_only() -> None:
+    objects = render({"web": {"discovery": {"namespaces": ["loraplex", "team-a"]}}})
+    secrets = {o["metadata"]["namespace"]: o for o in objects if o["metadata"]["name"] == "loraplex-secrets"}
+    assert set(secrets) == {"loraplex", "team-a"}
+    assert secrets["team-a"]["data"] == {"internal-token": secrets["loraplex"]["data"]["internal-token"]}
+
+
 def test_an_existing_secret_replaces_the_generated_one() -> None:
     objects = render({"secrets": {"existingSecret": "platform-secrets"}})
     assert all(o["metadata"]["name"] != "loraplex-secrets" for o in objects if o["kind"] == "Secret")
