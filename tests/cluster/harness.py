@@ -4,7 +4,8 @@
 on the bridge's node address, so pods reach it; a thread that registers every applied CRD's kind with the
 emulator (what the apiextensions server does); and one thread that runs the controllers (controllers.py)
 and the kubelet (kubelet.py) every `TICK` seconds. Backing services that a cluster would get from outside
-the chart (Postgres, an S3 server) are started on the node address by `postgres()` and `s3()`.
+the chart (Postgres, an S3 server) are started on the node address by `postgres()` and `s3()`, and
+`add_host()` gives them names in every pod's hosts file (as an external DNS record would).
 
 Everything it creates (namespaces, veths, the bridge, processes, mount points, temp dirs) is removed by
 `stop()`, which also runs at interpreter exit; `Network.sweep_stale()` removes what a killed run left.
@@ -33,12 +34,12 @@ from typing import Any, TypeVar
 
 import kmock
 
+from tests.cluster.apiserver import ClusterApiServer
 from tests.cluster.controllers import Controllers
 from tests.cluster.kube import KINDS, Client, crd_kind
 from tests.cluster.kubelet import Kubelet
 from tests.cluster.network import Network
 from tests.cluster.proxy import ServiceProxy
-from tests.operator.apiserver import StrictApiServer
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -110,7 +111,7 @@ class ClusterInABox:
             *reversed(self._cleanups),
             self._stop_children,
             self.proxy.close,
-            lambda: self._run(self._stop_api(), timeout=15),
+            lambda: self._run(self._stop_api(), timeout=5),  # open watches may hold it: the loop stops anyway
             lambda: self.loop.call_soon_threadsafe(self.loop.stop),
             lambda: self._loop_thread.join(timeout=10),
             self.network.down,
@@ -136,7 +137,7 @@ class ClusterInABox:
 
     # --- the API server ------------------------------------------------------------------------------
     async def _start_api(self) -> None:
-        self.api = StrictApiServer()
+        self.api = ClusterApiServer()
         for kind, info in KINDS.items():
             self.api.declare(info.key, kind, info.subresources, info.namespaced)
         await self.api.__aenter__()
@@ -237,6 +238,8 @@ class ClusterInABox:
              "--auth=trust", "--no-sync", "-E", "UTF8"],
             **run,
         )  # fmt: skip
+        with (root / "data" / "pg_hba.conf").open("a") as hba:  # pods connect from the pod network
+            hba.write(f"host all all {self.network.subnet} trust\n")
         options = (
             f"-p {port} -k {root} -c listen_addresses={self.network.gateway} -c fsync=off "
             "-c synchronous_commit=off -c full_page_writes=off -c max_connections=200"

@@ -47,7 +47,8 @@ PODINIT = Path(__file__).with_name("podinit.py")
 # Clients in a pod find the API server through this kubeconfig: the harness's stand-in for in-cluster
 # config (the emulator speaks plain HTTP, and in-cluster config insists on HTTPS and a CA).
 SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
-# Probe periods are the manifests' own, capped so that the test does not wait out a 20 s period.
+# Probes are sampled at least this often (a 20 s period would slow the test down); they fail after the
+# manifest's own time (period x threshold), see Probe.
 MAX_PROBE_PERIOD = 1.0
 MAX_GRACE_SECONDS = 10.0
 MAX_TERMINATION_MESSAGE = 4096  # Kubernetes' own limit for the termination message
@@ -79,19 +80,34 @@ def _die_with_parent() -> None:
 
 @dataclass
 class Probe:
+    """A probe sampled every `interval` seconds (at most MAX_PROBE_PERIOD), failing as the manifest says:
+    after failing for failureThreshold of its own periods, so a faster sample never shortens the allowance."""
+
     kind: str
     spec: dict[str, Any]
-    failures: int = 0
-    successes: int = 0
     last: float = 0.0
+    failing_since: float | None = None
+
+    @property
+    def interval(self) -> float:
+        return min(self.period, MAX_PROBE_PERIOD)
 
     @property
     def period(self) -> float:
-        return min(float(self.spec.get("periodSeconds", 10)), MAX_PROBE_PERIOD)
+        return float(self.spec.get("periodSeconds", 10))
 
     @property
-    def threshold(self) -> int:
-        return int(self.spec.get("failureThreshold", 3))
+    def allowance(self) -> float:
+        return self.period * (int(self.spec.get("failureThreshold", 3)) - 1)
+
+    def record(self, ok: bool, at: float) -> bool:
+        """Whether the probe has now failed (past its threshold)."""
+        if ok:
+            self.failing_since = None
+            return False
+        if self.failing_since is None:
+            self.failing_since = at
+        return at - self.failing_since >= self.allowance
 
 
 @dataclass
@@ -362,23 +378,24 @@ class PodRuntime:
                     continue
                 if probe.kind == "startup" and self.started:
                     continue
-                if time.monotonic() - probe.last < probe.period:
+                if time.monotonic() - probe.last < probe.interval:
                     continue
                 probe.last = time.monotonic()
                 ok = self._probe(probe.spec, ports)
-                probe.failures = 0 if ok else probe.failures + 1
+                failed = probe.record(ok, probe.last)
                 if probe.kind == "startup":
                     if ok:
                         self.started = changed = True
                         self.ready = "readiness" not in probes
-                    elif probe.failures >= probe.threshold:
+                    elif failed:
+                        logger.warning("pod %s: startup probe failed, restarting", self.key)
                         self._kill()
                 elif probe.kind == "readiness":
-                    want = ok or (self.ready and probe.failures < probe.threshold)
+                    want = ok or (self.ready and not failed)
                     changed |= want != self.ready
                     self.ready = want
-                elif probe.kind == "liveness" and probe.failures >= probe.threshold:
-                    logger.warning("pod %s: liveness failed %d times, restarting", self.key, probe.failures)
+                elif probe.kind == "liveness" and failed:
+                    logger.warning("pod %s: liveness probe failed, restarting", self.key)
                     self._kill()
             if changed:
                 self._write_status(client, pod)

@@ -63,6 +63,7 @@ class Network:
         self._counter = 0
         self._lock = threading.RLock()  # pod threads add and remove namespaces concurrently
         self.hosts: dict[str, str] = {}  # name -> ip, written to every pod's hosts file
+        self.external_hosts: dict[str, str] = {}  # names of what runs outside the cluster (add_host)
         self._pod_names: dict[str, str] = {}  # netns -> pod name (the pod's own line in its hosts file)
 
     # --- the node -----------------------------------------------------------------------------------
@@ -147,7 +148,8 @@ class Network:
         lines = ["127.0.0.1 localhost", "::1 localhost"]
         if pod_name and netns in self._ips:
             lines.append(f"{self._ips[netns]} {pod_name}")
-        lines += [f"{address} {name}" for name, address in sorted(self.hosts.items())]
+        names = {**self.external_hosts, **self.hosts}
+        lines += [f"{address} {name}" for name, address in sorted(names.items())]
         path = ETC_NETNS / netns / "hosts"
         # Rewritten in place, never replaced: a running pod sees it through a bind mount of this inode.
         with path.open("a+") as handle:
@@ -163,6 +165,14 @@ class Network:
             self.hosts = dict(hosts)
             for netns in list(self._veths):
                 with contextlib.suppress(OSError):  # a pod being removed
+                    self.write_hosts(netns)
+
+    def add_host(self, name: str, address: str) -> None:
+        """A name every pod resolves, as a DNS record outside the cluster would provide."""
+        with self._lock:
+            self.external_hosts[name] = address
+            for netns in list(self._veths):
+                with contextlib.suppress(OSError):
                     self.write_hosts(netns)
 
     # --- Services -----------------------------------------------------------------------------------

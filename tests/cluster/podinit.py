@@ -17,9 +17,10 @@ import sys
 def main(spec_path: str) -> None:
     with open(spec_path) as handle:
         spec = json.load(handle)
-    for source, target, read_only in spec["mounts"]:
-        flags = ["--bind"]
-        subprocess.run(["mount", *flags, source, target], check=True)
+    # Every source is opened before anything is mounted: a volume at /tmp must not hide a source under /tmp.
+    sources = [os.open(source, os.O_PATH) for source, _, _ in spec["mounts"]]
+    for fd, (_, target, read_only) in zip(sources, spec["mounts"], strict=True):
+        subprocess.run(["mount", "--bind", f"/proc/self/fd/{fd}", target], check=True, pass_fds=[fd])
         if read_only:
             subprocess.run(["mount", "-o", "remount,bind,ro", target], check=True)
     os.chdir(spec["cwd"])
@@ -29,7 +30,7 @@ def main(spec_path: str) -> None:
     except OSError as error:
         # What a runtime reports as StartError; the kubelet shows this line as the termination message.
         print(f"exec {argv[0]!r} failed: {error}", file=sys.stderr)
-        with open(spec["termination_log"], "w") as log:
+        with open(spec["termination_target"], "w") as log:
             log.write(f"exec {argv[0]!r} failed: {error}")
         sys.exit(128)
 

@@ -1,0 +1,103 @@
+"""The API emulator of the cluster in a box: tests/operator's strict, Helm-capable emulator plus Namespaces.
+
+kmock parses `/api/v1/namespaces` as "namespace of nothing" and cannot serve it; kopf lists and watches
+Namespaces and `helm install --create-namespace` creates one. This answers those paths itself: a Namespace
+exists once created, or once any object lives in it (as namespaces are implicit in the emulator's store).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import json
+import re
+import uuid
+from typing import Any
+
+import aiohttp.web
+
+from tests.operator.test_chart import HelmableApiServer
+
+NAMESPACES = re.compile(r"^/api/v1/namespaces(?:/([a-z0-9-]{1,63}))?/?$")
+
+
+class ClusterApiServer(HelmableApiServer):
+    def __attrs_post_init__(self) -> None:
+        super().__attrs_post_init__()
+        self._namespaces: dict[str, dict[str, Any]] = {}
+
+    async def __call__(self, raw_request: aiohttp.web.BaseRequest) -> aiohttp.web.StreamResponse:
+        match = NAMESPACES.match(raw_request.path)
+        if match is None:
+            return await super().__call__(raw_request)
+        name = match.group(1)
+        if raw_request.method == "POST" and name is None:
+            body = json.loads(await raw_request.read() or b"{}")
+            return self._create_namespace(body)
+        if raw_request.method != "GET":
+            return _status(405, "MethodNotAllowed", f"{raw_request.method} on namespaces is not emulated")
+        namespaces = self._all_namespaces()
+        if name is not None:
+            if name not in namespaces:
+                return _status(404, "NotFound", f'namespaces "{name}" not found')
+            return aiohttp.web.json_response(namespaces[name])
+        if raw_request.query.get("watch") in ("true", "1"):
+            return await self._watch_namespaces(raw_request, namespaces)
+        listing = {"kind": "NamespaceList", "apiVersion": "v1", "metadata": {"resourceVersion": "1"}}
+        return aiohttp.web.json_response({**listing, "items": list(namespaces.values())})
+
+    def _namespace(self, name: str) -> dict[str, Any]:
+        now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        return {
+            "apiVersion": "v1",
+            "kind": "Namespace",
+            "metadata": {
+                "name": name,
+                "uid": str(uuid.uuid4()),
+                "resourceVersion": "1",
+                "creationTimestamp": now,
+            },
+            "status": {"phase": "Active"},
+        }
+
+    def _all_namespaces(self) -> dict[str, dict[str, Any]]:
+        for key in list(self.objects):
+            namespace = key[1]
+            if namespace and namespace not in self._namespaces:
+                self._namespaces[namespace] = self._namespace(namespace)
+        self._namespaces.setdefault("default", self._namespace("default"))
+        return dict(self._namespaces)
+
+    def _create_namespace(self, body: dict[str, Any]) -> aiohttp.web.Response:
+        name = str((body.get("metadata") or {}).get("name") or "")
+        if not re.fullmatch(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?", name):
+            return _status(422, "Invalid", "metadata.name must be a DNS label")
+        if name in self._all_namespaces():
+            return _status(409, "AlreadyExists", f'namespaces "{name}" already exists')
+        self._namespaces[name] = self._namespace(name)
+        return aiohttp.web.json_response(self._namespaces[name], status=201)
+
+    async def _watch_namespaces(
+        self, raw_request: aiohttp.web.BaseRequest, known: dict[str, dict[str, Any]]
+    ) -> aiohttp.web.StreamResponse:
+        response = aiohttp.web.StreamResponse(headers={"Content-Type": "application/json"})
+        await response.prepare(raw_request)  # type: ignore[arg-type]
+        sent: set[str] = set()
+        deadline = asyncio.get_running_loop().time() + float(raw_request.query.get("timeoutSeconds") or 300)
+        try:
+            while asyncio.get_running_loop().time() < deadline:
+                for name, namespace in self._all_namespaces().items():
+                    if name not in sent:
+                        sent.add(name)
+                        line = json.dumps({"type": "ADDED", "object": namespace}) + "\n"
+                        await response.write(line.encode())
+                await asyncio.sleep(1.0)
+        except (ConnectionError, asyncio.CancelledError):
+            pass
+        return response
+
+
+def _status(code: int, reason: str, message: str) -> aiohttp.web.Response:
+    body = {"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": code, "reason": reason,
+            "message": message}  # fmt: skip
+    return aiohttp.web.json_response(body, status=code)
