@@ -135,7 +135,7 @@ def parse(body: Mapping[str, Any]) -> InferenceDeployment:
     """Validate a whole CR body; raises SpecError naming the first wrong field."""
     meta = body.get("metadata") or {}
     name = str(meta.get("name") or "")
-    if not _NAME.match(name):
+    if not _NAME.fullmatch(name):
         raise SpecError(
             f"metadata.name {name!r} must be a lowercase DNS label of at most 56 characters "
             "(children get a '-engine' suffix); rename the InferenceDeployment"
@@ -194,11 +194,11 @@ def check_model_uri(uri: str) -> str:
         raise SpecError(f"{where} scheme {scheme!r} is not supported; use an absolute path, {supported}")
     if scheme == "file" and not uri.startswith("file:///"):
         raise SpecError(f"{where} {uri!r} must be file:///absolute/path")
-    if scheme == "s3" and not _S3_URI.match(uri):
+    if scheme == "s3" and not _S3_URI.fullmatch(uri):
         raise SpecError(
             f"{where} {uri!r} is not s3://bucket/key (a lowercase bucket name of 3-63 characters)"
         )
-    if scheme == "hf" and not _HF_URI.match(uri):
+    if scheme == "hf" and not _HF_URI.fullmatch(uri):
         raise SpecError(f"{where} {uri!r} is not hf://org/name or hf://org/name@revision")
     return uri
 
@@ -231,9 +231,9 @@ def _parse_resources(raw: Mapping[str, Any]) -> ResourcesSpec:
     defaults = ResourcesSpec()
     cpu = str(raw.get("cpu", defaults.cpu))
     memory = str(raw.get("memory", defaults.memory))
-    if not _CPU.match(cpu):
+    if not _CPU.fullmatch(cpu):
         raise SpecError(f"spec.resources.cpu {cpu!r} is not a CPU quantity; write e.g. '4' or '500m'")
-    if not _MEMORY.match(memory):
+    if not _MEMORY.fullmatch(memory):
         raise SpecError(f"spec.resources.memory {memory!r} is not a memory quantity; write e.g. '16Gi'")
     return ResourcesSpec(
         gpus_per_replica=_integer(raw, "gpusPerReplica", defaults.gpus_per_replica, 0, 16, "spec.resources"),
@@ -283,7 +283,7 @@ def _parse_secret_key_ref(raw: Any, where: str) -> SecretKeyRef:
     section = _section(raw, where)
     name = _object_name(section, "name", where)
     key = section.get("key", INTERNAL_TOKEN_KEY)
-    if not isinstance(key, str) or not _SECRET_KEY.match(key):
+    if not isinstance(key, str) or not _SECRET_KEY.fullmatch(key):
         raise SpecError(f"{where}.key {key!r} is not a Secret key (letters, digits, '-', '_', '.')")
     return SecretKeyRef(name=name, key=key)
 
@@ -321,7 +321,7 @@ def _parse_model_cache(raw: Mapping[str, Any]) -> ModelCacheSpec:
     where = "spec.modelCache"
     claim = None if raw.get("claimName") is None else _object_name(raw, "claimName", where)
     size = raw.get("sizeLimit")
-    if size is not None and (not isinstance(size, str) or not _MEMORY.match(size)):
+    if size is not None and (not isinstance(size, str) or not _MEMORY.fullmatch(size)):
         raise SpecError(f"{where}.sizeLimit {size!r} is not a quantity; write e.g. '40Gi'")
     if claim is not None and size is not None:
         raise SpecError(f"{where}: sizeLimit applies to the emptyDir cache only; drop it or claimName")
@@ -330,7 +330,7 @@ def _parse_model_cache(raw: Mapping[str, Any]) -> ModelCacheSpec:
 
 def _object_name(raw: Mapping[str, Any], key: str, where: str) -> str:
     value = _string(raw, key, where)
-    if not _OBJECT_NAME.match(value):
+    if not _OBJECT_NAME.fullmatch(value):
         raise SpecError(
             f"{where}.{key} {value[:100]!r} is not a Kubernetes object name (lowercase DNS subdomain)"
         )

@@ -125,6 +125,8 @@ def test_minimal_body_gets_defaults() -> None:
         ({"adapterStore": {"uri": "s3://b", "endpointUrl": "ftp://x"}}, "spec.adapterStore.endpointUrl"),
         ({"adapterStore": {"uri": "s3://b", "region": "US EAST"}}, "spec.adapterStore.region"),
         ({"modelCache": {"sizeLimit": "huge"}}, "spec.modelCache.sizeLimit 'huge'"),
+        ({"modelCache": {"sizeLimit": "1Gi\n"}}, "spec.modelCache.sizeLimit '1Gi\\n'"),
+        ({"internalTokenSecretRef": {"name": "s\n"}}, "is not a Kubernetes object name"),
         ({"modelCache": {"claimName": "c", "sizeLimit": "1Gi"}}, "drop it or claimName"),
         ({"engine": {"image": ""}}, "spec.engine.image is required"),
         ({"engine": {"image": "i", "poolFraction": 1.5}}, "spec.engine.poolFraction is 1.5"),
