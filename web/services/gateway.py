@@ -220,7 +220,7 @@ def estimate_tokens(text: str) -> int:
     count replaces it when the request ends."""
     if not text:
         return 0
-    ascii_chars = sum(1 for c in text if c < "\x80")
+    ascii_chars = len(text.encode("ascii", "ignore"))  # C speed on a 256k-character prompt
     return max(1, (ascii_chars + 3) // 4 + len(text) - ascii_chars)
 
 

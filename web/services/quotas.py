@@ -19,6 +19,7 @@ import time
 import uuid
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import Any
 
 from sqlalchemy import and_, case, delete, select
 from sqlalchemy.dialects import postgresql, sqlite
@@ -124,7 +125,8 @@ class Ledger:
             self.charged[m] += d
 
 
-def _insert(session: Session):  # type: ignore[no-untyped-def]
+def _insert(session: Session) -> Any:
+    """The dialect's INSERT (both have ON CONFLICT DO UPDATE ... WHERE)."""
     return (postgresql if session.get_bind().dialect.name == "postgresql" else sqlite).insert
 
 
