@@ -61,7 +61,9 @@ def check_digest(directory: Path, expected: str) -> None:
     """Raise DigestMismatch unless the adapter in `directory` has the digest `expected`."""
     actual = adapter_digest(directory)
     if actual != expected.lower():
-        raise DigestMismatch(f"adapter at {directory} has digest {actual}, expected {expected}: refusing it")
+        raise DigestMismatch(
+            f"adapter at {directory} has sha256 digest {actual}, expected {expected}: refusing it"
+        )
 
 
 def _update_framed(digest: hashlib._Hash, stream: BinaryIO, path: Path) -> None:

@@ -125,11 +125,11 @@ class LocalArtifactStore:
         return target.resolve().as_uri()
 
     def fetch(self, uri: str, digest: str) -> Path:
-        path = self._inside(uri)
+        path = self.path_of(uri)
         return fetch_local(path.as_uri(), digest)
 
     def delete(self, uri: str) -> None:
-        path = self._inside(uri)
+        path = self.path_of(uri)
         if path.is_dir():
             self._remove(path)
 
@@ -141,7 +141,7 @@ class LocalArtifactStore:
         if not os.access(self.root, os.W_OK | os.X_OK):
             raise StoreUnavailable(f"artifact store {self.root} is not writable by this process")
 
-    def _inside(self, uri: str) -> Path:
+    def path_of(self, uri: str) -> Path:
         """The path `uri` names, refused unless it lies under the root (no `..` or symlink escapes)."""
         path = local_path(uri)
         root = self.root.resolve()

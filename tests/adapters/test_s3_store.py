@@ -235,3 +235,21 @@ def test_an_unreachable_endpoint_is_a_store_error(
     with pytest.raises(StoreUnavailable, match="cannot read from"):
         store.fetch(f"s3://{BUCKET}/x/{digest}", digest)
     assert time.monotonic() - started < 30  # bounded retries, not a hang
+
+
+def test_the_engine_fetches_through_the_same_store(
+    aws_env: S3Server, store: S3ArtifactStore, adapter: tuple[Path, str], tmp_path: Path
+) -> None:
+    from loraplex.engine.lora.sources import AdapterFetcher
+
+    source, digest = adapter
+    uri = store.put(source, digest)  # the control plane writes...
+    where = f"s3://{BUCKET}/{store.prefix}"
+    fetcher = AdapterFetcher.configure(where, tmp_path / "engine-cache", aws_env.url)  # ...the engine reads
+    fetched = fetcher.fetch(uri, digest)
+    assert fetched == tmp_path / "engine-cache" / digest
+    assert fetcher.fetch(uri, None) == fetched  # a content-addressed URI names its own digest
+    with pytest.raises(AdapterError, match="outside the artifact store"):
+        fetcher.fetch(f"s3://{BUCKET}/elsewhere/{digest}", digest)
+    with pytest.raises(AdapterError, match="outside the artifact store"):
+        fetcher.fetch(source.as_uri(), digest)  # a local path is not in an s3:// store
