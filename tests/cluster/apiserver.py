@@ -15,6 +15,8 @@ import uuid
 from typing import Any
 
 import aiohttp.web
+import kmock
+from kmock._internal import enums, rendering
 
 from tests.operator.test_chart import HelmableApiServer
 
@@ -45,6 +47,17 @@ class ClusterApiServer(HelmableApiServer):
             return await self._watch_namespaces(raw_request, namespaces)
         listing = {"kind": "NamespaceList", "apiVersion": "v1", "metadata": {"resourceVersion": "1"}}
         return aiohttp.web.json_response({**listing, "items": list(namespaces.values())})
+
+    async def _handle(self, request: rendering.Request) -> Any:
+        # Only server-side apply creates a missing object; a merge patch of a deleted Pod's status (the
+        # kubelet racing a deletion) must be a 404, not a nameless Pod.
+        if request.resource is not None and request.action == enums.action.UPDATE and request.name:
+            key = (request.resource, request.namespace, request.name)
+            missing = key not in self.objects or self.objects[key].deleted
+            applying = "apply-patch" in request.headers.get("Content-Type", "")
+            if missing and not applying:
+                raise kmock.KubernetesError(404, "NotFound", f"{request.resource} {request.name} not found")
+        return await super()._handle(request)
 
     def _namespace(self, name: str) -> dict[str, Any]:
         now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
