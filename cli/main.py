@@ -47,7 +47,9 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     # FastAPI, uvicorn and torch load only here: `loraplex --help` stays quick.
-    from loraplex.engine.server.serve import run_server
+    from pydantic import ValidationError
+
+    from loraplex.engine.server.serve import report_fatal, run_server
     from loraplex.engine.server.settings import ServerSettings
 
     flags = {
@@ -66,8 +68,16 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         # Flags given on the command line win; the rest come from LORAPLEX_* variables, then defaults.
         settings = ServerSettings(**{k: v for k, v in flags.items() if v is not None})
+    except ValidationError as exc:  # one line per problem, naming the option: "model: ..."
+        problems = [
+            f"{'.'.join(str(p) for p in e['loc']) or 'settings'}: "
+            + str(e["msg"]).removeprefix("Value error, ")
+            for e in exc.errors()
+        ]
+        report_fatal(f"loraplex serve: {'; '.join(problems)}")
+        return 2
     except ValueError as exc:
-        print(f"loraplex serve: {exc}", file=sys.stderr)
+        report_fatal(f"loraplex serve: {exc}")
         return 2
     return run_server(settings)
 
@@ -115,7 +125,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="Every option also reads from LORAPLEX_<OPTION> (e.g. LORAPLEX_NUM_PAGES); flags win.",
     )
     serve.add_argument(
-        "--model", default=None, help="a .gguf file, a Hugging Face directory or a file:// URI"
+        "--model",
+        default=None,
+        help="a .gguf file or Hugging Face directory (path or file://), s3://bucket/key-or-prefix/, "
+        "or hf://org/name[@revision]; remote models are cached in LORAPLEX_MODEL_CACHE",
     )
     serve.add_argument("--host", default=None, help="address to listen on (default 0.0.0.0)")
     serve.add_argument("--port", type=int, default=None, help="port to listen on (default 8000)")

@@ -16,6 +16,7 @@ from .errors import ModelLoadError
 from .gguf_loader import load_gguf
 from .hf_loader import load_hf_directory
 from .llama import LlamaModel
+from .sources import fetch_model
 
 log = logging.getLogger(__name__)
 
@@ -52,8 +53,10 @@ def load_model(
     device: torch.device | str = "cpu",
     seed: int = 0,
     max_positions: int | None = None,
+    model_cache: Path | str | None = None,
 ) -> LoadedModel:
-    """Load `source`: None (the default SmolLM2), `random:<shape>`, a .gguf file or a HF directory."""
+    """Load `source`: None (the default SmolLM2), `random:<shape>`, a .gguf file or a HF directory, as a
+    path or file:// URI, or downloaded first from s3://... or hf://... into `model_cache` (sources.py)."""
     started = time.perf_counter()
     if source is None:
         source = default_model_path()
@@ -62,6 +65,7 @@ def load_model(
         config = named_shape(text[len(RANDOM_PREFIX) :])
         model = random_model(config, dtype, device, seed, max_positions)
         return LoadedModel(model, None, config, text)
+    text = fetch_model(text, model_cache)
     path = Path(text).expanduser()
     if not path.exists():
         raise ModelLoadError(f"model path {path} does not exist")

@@ -8,8 +8,10 @@ cancelled, which aborts them in the engine), and the process exits 0.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
+from pathlib import Path
 from types import FrameType
 
 import uvicorn
@@ -18,6 +20,10 @@ from .app import ServerState, create_app
 from .settings import ServerSettings
 
 log = logging.getLogger("loraplex.engine.server")
+
+# Kubernetes shows this file's content (at most 4096 bytes) as the container's termination message.
+TERMINATION_LOG = "/dev/termination-log"
+TERMINATION_LOG_BYTES = 4096
 
 
 class DrainingServer(uvicorn.Server):
@@ -64,6 +70,21 @@ def run_server(settings: ServerSettings) -> int:
     server = DrainingServer(config, app.state.server)
     server.run()
     if fatal:
-        print(f"loraplex serve: {fatal[0]}", file=sys.stderr, flush=True)
+        report_fatal(f"loraplex serve: {fatal[0]}")
         return 2
     return 0
+
+
+def report_fatal(line: str) -> None:
+    """Say on stderr, in one line, why `loraplex serve` exits; and where Kubernetes shows it (pod status)."""
+    line = " ".join(line.split())
+    print(line, file=sys.stderr, flush=True)
+    configured = os.environ.get("LORAPLEX_TERMINATION_LOG")
+    path = Path(configured or TERMINATION_LOG)
+    if not configured and not path.exists():
+        return  # not in a Kubernetes container: never create a file under /dev
+    try:
+        with path.open("w") as log_file:
+            log_file.write(line[:TERMINATION_LOG_BYTES] + "\n")
+    except OSError:  # read-only or not ours: stderr has said it
+        pass

@@ -25,7 +25,14 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 class ServerSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="LORAPLEX_", extra="ignore", env_ignore_empty=True)
 
-    model: str | None = Field(default=None, description="a .gguf file, a Hugging Face directory, file:// URI")
+    model: str | None = Field(
+        default=None,
+        description="a .gguf file or Hugging Face directory (path or file:// URI), "
+        "s3://bucket/key-or-prefix/, or hf://org/name[@revision]",
+    )
+    # Where s3:// and hf:// models are downloaded once and re-used (LORAPLEX_MODEL_CACHE; the loader reads
+    # the same variable). Unset: ~/.cache/loraplex/models.
+    model_cache: Path | None = None
     served_model_name: str | None = Field(default=None, description="the base model's id in the API")
     host: str = "0.0.0.0"
     port: int = Field(default=8000, ge=0, le=65535)
@@ -48,6 +55,15 @@ class ServerSettings(BaseSettings):
     drain_timeout_s: float = Field(default=30.0, ge=0.0)
     tenant_label_limit: int = Field(default=64, ge=0, description="tenants with their own metrics label")
 
+    @field_validator("model")
+    @classmethod
+    def _model_uri_is_well_formed(cls, value: str | None) -> str | None:
+        if value is not None:
+            from loraplex.engine.model.sources import check_model_uri
+
+            check_model_uri(value)  # a malformed URI fails now, not after the server is up
+        return value
+
     @field_validator("internal_token")
     @classmethod
     def _blank_token_is_none(cls, value: SecretStr | None) -> SecretStr | None:
@@ -67,8 +83,9 @@ class ServerSettings(BaseSettings):
             return self.served_model_name
         if self.model is None:
             return DEFAULT_MODEL_NAME
-        path = Path(model_path(self.model))
-        return path.stem if path.suffix == ".gguf" else (path.name or self.model)
+        from loraplex.engine.model.sources import served_name
+
+        return served_name(self.model)
 
     def start_adapters(self) -> list[tuple[str, str, str | None]]:
         return [parse_adapter_arg(item) for item in self.adapters]
@@ -84,6 +101,7 @@ class ServerSettings(BaseSettings):
 
         wanted: dict[str, Any] = {
             "model": model_path(self.model) if self.model is not None else None,
+            "model_cache": self.model_cache,  # taken when EngineConfig has it; else LORAPLEX_MODEL_CACHE
             "device": self.device,
             "dtype": self.dtype,
             "seed": self.seed,
