@@ -50,7 +50,12 @@ class ServerSettings(BaseSettings):
     adapter_host_cache_bytes: int | None = Field(default=None, ge=1)
     max_queue: int = Field(default=256, ge=1, description="requests waiting to be scheduled before 429")
     internal_token: SecretStr | None = None
-    adapter_store: str | None = Field(default=None, description="where relative adapter URIs resolve")
+    # The artifact store (LORAPLEX_ADAPTER_STORE, the control plane's setting too): a directory, file://...
+    # or s3://bucket/prefix. Set, adapters are fetched from it only (other URIs are refused), into
+    # adapter_cache_dir() for s3://; relative adapter URIs resolve under it.
+    adapter_store: str | None = Field(default=None, description="where adapters are fetched from")
+    # An S3-compatible service other than AWS (MinIO, Ceph RGW); credentials come from AWS_* variables.
+    s3_endpoint_url: str | None = None
     adapters: list[str] = Field(default_factory=list, description="NAME=PATH_OR_URI[@SHA256] at start")
     drain_timeout_s: float = Field(default=30.0, ge=0.0)
     tenant_label_limit: int = Field(default=64, ge=0, description="tenants with their own metrics label")
@@ -89,6 +94,13 @@ class ServerSettings(BaseSettings):
 
     def start_adapters(self) -> list[tuple[str, str, str | None]]:
         return [parse_adapter_arg(item) for item in self.adapters]
+
+    def adapter_cache_dir(self) -> Path:
+        """Where adapters fetched from an s3:// store are kept: in the model cache (LORAPLEX_MODEL_CACHE, a
+        volume on a cluster), else ~/.cache/loraplex/adapters."""
+        if self.model_cache is not None:
+            return self.model_cache / "loraplex-adapters"
+        return Path.home() / ".cache/loraplex/adapters"
 
     def resolve_adapter_uri(self, uri: str) -> str:
         """A relative path names a directory under the adapter store (when one is set)."""

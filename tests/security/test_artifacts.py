@@ -300,3 +300,70 @@ def test_an_unreachable_store_refuses_the_upload_and_says_which(
         assert client.get("/api/v1/storage", headers=headers).json()["adapters"] == 0
         with client.app.state.db.session() as session:  # type: ignore[attr-defined]
             assert session.get(StorageUsage, uuid.UUID(str(tenant["id"]))) is None
+
+
+# -- the engine's side: it fetches only from its store, and verifies every read ------------------------------
+
+
+def engine_state(tmp_path: Path, **settings: object):  # type: ignore[no-untyped-def]
+    from loraplex.engine.server.app import ServerState
+    from loraplex.engine.server.metrics import ServerMetrics
+    from loraplex.engine.server.settings import ServerSettings
+
+    return ServerState(ServerSettings(model_cache=tmp_path / "cache", **settings), ServerMetrics())
+
+
+def test_the_engine_refuses_an_adapter_changed_after_registration(peft_dir: Path, tmp_path: Path) -> None:
+    """The hash used to be checked at registration only, and only over the weights: a config rewritten
+    later (here: another alpha, so other outputs) loaded silently. Every load now re-hashes both files."""
+    import shutil
+
+    import torch
+
+    from loraplex.engine.lora.sources import DirectorySource
+    from tests.adapters.conftest import TINY_SHAPE
+
+    copy = tmp_path / "adapter"
+    shutil.copytree(peft_dir, copy)
+    source = DirectorySource.open(copy, TINY_SHAPE, adapter_digest(peft_dir))
+    assert set(source.load(torch.float32)) == {(layer, m) for layer in (0, 1) for m in ("q", "v")}
+    config = json.loads((copy / CONFIG_FILE).read_text())
+    (copy / CONFIG_FILE).write_text(json.dumps({**config, "lora_alpha": 1024}))
+    with pytest.raises(DigestMismatch, match="changed since it was registered"):
+        source.load(torch.float32)
+    with pytest.raises(DigestMismatch, match="refusing it"):  # and a new registration is refused too
+        DirectorySource.open(copy, TINY_SHAPE, adapter_digest(peft_dir))
+
+
+def test_the_engine_fetches_only_from_its_store(peft_dir: Path, tmp_path: Path) -> None:
+    import asyncio
+
+    from loraplex.engine.server.async_engine import AdapterFetchFailed
+
+    store = LocalArtifactStore(tmp_path / "store")
+    digest = adapter_digest(peft_dir)
+    uri = store.put(peft_dir, digest)
+    state = engine_state(tmp_path, adapter_store=str(store.root))
+    assert asyncio.run(state.local_adapter(uri, digest)) == str(local_path(uri))
+    assert asyncio.run(state.local_adapter(digest, digest)) == str(local_path(uri))  # relative: in the store
+    with pytest.raises(AdapterFetchFailed, match="outside the artifact store"):
+        asyncio.run(state.local_adapter(peft_dir.as_uri(), digest))
+    with pytest.raises(DigestMismatch):  # the gateway's digest is not what the store holds
+        asyncio.run(state.local_adapter(uri, "0" * 64))
+
+
+def test_an_unreachable_store_is_unavailable_to_the_engine_not_a_fault(
+    peft_dir: Path, tmp_path: Path
+) -> None:
+    import asyncio
+    import socket
+
+    from loraplex.engine.server.async_engine import AdapterUnavailable
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    state = engine_state(tmp_path, adapter_store="s3://artifacts/lpx", s3_endpoint_url=closed)
+    digest = adapter_digest(peft_dir)
+    with pytest.raises(AdapterUnavailable, match="could not be read"):
+        asyncio.run(state.local_adapter(f"s3://artifacts/lpx/{digest}", digest))
