@@ -1,0 +1,210 @@
+"""Fuzzing the two parsers a tenant's bytes reach: adapter_config.json and the safetensors header.
+
+Whatever the bytes, the answer is a valid result or an AdapterError, never another exception (a 500), and
+each example answers within the deadline. LORAPLEX_FUZZ_EXAMPLES sets the examples per test (150 by
+default, so the file takes seconds in `make test`); docs/security.md, "Fuzzing", records a longer run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import struct
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from loraplex.adapters import AdapterError, LoraConfig, inspect_adapter
+from loraplex.adapters.peft_config import parse_config_bytes
+from loraplex.adapters.safetensors_header import DTYPE_BYTES, read_header
+from loraplex.adapters.shapes import MODULES, module_name
+from loraplex.adapters.weights import check_finite
+
+from .adapter_files import CONFIG, TINY_SHAPE, WEIGHTS, config_dict, lora_tensors, tensor_name, weights_bytes
+
+EXAMPLES = int(os.environ.get("LORAPLEX_FUZZ_EXAMPLES", "150"))
+FUZZ = settings(
+    max_examples=EXAMPLES,
+    # Generous for a shared CI machine, yet minutes short of what a catastrophic regex or a quadratic
+    # parse costs: an example over it fails the test.
+    deadline=timedelta(seconds=5),
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+NAMES = [module_name(layer, module) for layer in range(TINY_SHAPE.num_layers) for module in MODULES]
+
+# JSON values as a tenant could write them: every type, non-finite floats, integers of any size.
+json_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.text(max_size=40),
+    lambda children: (
+        st.lists(children, max_size=5) | st.dictionaries(st.text(max_size=20), children, max_size=5)
+    ),
+    max_leaves=20,
+)
+# Regexes built from the characters that make regexes interesting, and module-name-like words.
+regex_text = st.text(alphabet=list("._*+?|()[]{}^$\\dws0123456789,-=!<>:aqkvoprxyz_"), max_size=30)
+module_words = st.sampled_from(
+    [
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+        "self_attn.q_proj",
+        "lm_head",
+    ]
+)
+config_fields = {
+    "peft_type": st.sampled_from(["LORA", "lora", "IA3"]) | json_values,
+    "r": st.integers(min_value=-2, max_value=20) | json_values,
+    "lora_alpha": st.floats(allow_nan=True, allow_infinity=True) | st.integers(-5, 64) | json_values,
+    "target_modules": st.lists(module_words, max_size=4) | regex_text | json_values,
+    "exclude_modules": st.none() | st.lists(module_words, max_size=3) | regex_text | json_values,
+    "layers_to_transform": st.none()
+    | st.integers(-1, 3)
+    | st.lists(st.integers(-1, 3), max_size=3)
+    | json_values,
+    "rank_pattern": st.dictionaries(regex_text | module_words, st.integers(-1, 20) | json_values, max_size=3),
+    "alpha_pattern": st.dictionaries(regex_text | module_words, st.floats() | json_values, max_size=3),
+    "use_rslora": st.booleans() | json_values,
+    "bias": st.sampled_from(["none", "all"]) | json_values,
+}
+configs = st.fixed_dictionaries({}, optional=config_fields).flatmap(
+    lambda fields: st.dictionaries(st.text(max_size=10), json_values, max_size=3).map(
+        lambda extra: extra | fields
+    )
+)
+
+
+def exercise(config: LoraConfig) -> None:
+    """Everything the engine and control plane ask of a parsed config, on every projection's name."""
+    config.targeted(TINY_SHAPE)
+    for name in NAMES:
+        config.targets(name)
+        assert config.scale_of(name) > 0
+
+
+@FUZZ
+@given(data=st.binary(max_size=2048))
+def test_any_bytes_as_a_config(data: bytes) -> None:
+    with contextlib.suppress(AdapterError):
+        exercise(parse_config_bytes(data))
+
+
+@FUZZ
+@given(config=configs)
+def test_any_json_config(config: dict[str, Any]) -> None:
+    with contextlib.suppress(AdapterError):
+        exercise(parse_config_bytes(json.dumps(config).encode()))
+
+
+# Tokens Python's json accepts but a config must not hold, spliced anywhere.
+NASTY = [b"NaN", b"-Infinity", b"1e999", b"9" * 5000, b"[" * 3000, b'"\\ud800"', b'"\\u0000"', b'"r": 3, "r"']
+
+
+@FUZZ
+@given(config=configs, cut=st.integers(0, 400), junk=st.binary(max_size=8) | st.sampled_from(NASTY))
+def test_damaged_json_config(config: dict[str, Any], cut: int, junk: bytes) -> None:
+    text = json.dumps(config).encode()
+    with contextlib.suppress(AdapterError):
+        exercise(parse_config_bytes(text[:cut] + junk + text[cut:]))
+
+
+NASTY_VALUES = ["NaN", "-Infinity", "1e999", "9" * 5000, "[" * 3000 + "]" * 3000, '"\\ud800"', '"a\\u0000"']
+
+
+@FUZZ
+@given(
+    config=configs,
+    field=st.sampled_from([*config_fields, "loftq_config"]),
+    token=st.sampled_from(NASTY_VALUES),
+    nested=st.booleans(),
+)
+def test_nasty_values_in_any_field(config: dict[str, Any], field: str, token: str, nested: bool) -> None:
+    marker = "@@nasty@@"
+    value: Any = {"q_proj": marker} if nested else marker
+    text = json.dumps({**config, field: value}).replace(f'"{marker}"', token)
+    with contextlib.suppress(AdapterError):
+        exercise(parse_config_bytes(text.encode()))
+
+
+def check_header(path: Path) -> None:
+    """read_header on `path`: an AdapterError, or tensors that tile the file's data section exactly."""
+    try:
+        tensors = read_header(path)
+    except AdapterError:
+        return
+    size = path.stat().st_size
+    position = 8 + struct.unpack("<Q", path.read_bytes()[:8])[0]
+    for info in tensors.values():
+        assert info.begin == position and info.end - info.begin >= 0
+        position = info.end
+    assert position == size
+    with contextlib.suppress(AdapterError):
+        check_finite(path, tensors)
+
+
+@FUZZ
+@given(data=st.binary(max_size=2048))
+def test_any_bytes_as_a_safetensors_file(tmp_path: Path, data: bytes) -> None:
+    path = tmp_path / WEIGHTS
+    path.write_bytes(data)
+    check_header(path)
+
+
+entry_fields = {
+    "dtype": st.sampled_from([*DTYPE_BYTES, "F8_E4M3", ""]) | json_values,
+    "shape": st.lists(st.integers(-1, 6), max_size=3) | json_values,
+    "data_offsets": st.lists(st.integers(-1, 80), min_size=2, max_size=2) | json_values,
+}
+# Mostly entries with all three fields, so that each field's own check is reached with hostile values.
+entries = st.fixed_dictionaries(entry_fields) | st.fixed_dictionaries({}, optional=entry_fields)
+headers = st.dictionaries(
+    st.sampled_from([tensor_name(0, "q_proj", "A"), "__metadata__", "a", "b"]) | st.text(max_size=12),
+    entries | json_values,
+    max_size=4,
+)
+
+
+@FUZZ
+@given(header=headers, data=st.binary(max_size=96), length_error=st.sampled_from([0, 0, 0, -1, 1, 2**40]))
+def test_any_json_header(tmp_path: Path, header: dict[str, Any], data: bytes, length_error: int) -> None:
+    raw = json.dumps(header).encode()
+    path = tmp_path / WEIGHTS
+    path.write_bytes(struct.pack("<Q", max(0, len(raw) + length_error)) + raw + data)
+    check_header(path)
+
+
+VALID_WEIGHTS = weights_bytes(lora_tensors(rank=1), "F16")
+
+
+@FUZZ
+@given(
+    edits=st.lists(
+        st.tuples(st.integers(0, len(VALID_WEIGHTS) - 1), st.integers(0, 3), st.binary(max_size=4)),
+        max_size=4,
+    )
+)
+def test_damaged_valid_adapter(tmp_path: Path, edits: list[tuple[int, int, bytes]]) -> None:
+    # Byte edits of a real adapter's weights (most land in the header): inspect_adapter, end to end.
+    weights = VALID_WEIGHTS
+    for position, removed, inserted in edits:
+        weights = weights[:position] + inserted + weights[position + removed :]
+    directory = tmp_path / "adapter"
+    directory.mkdir(exist_ok=True)
+    (directory / CONFIG).write_text(json.dumps(config_dict(rank=1)))
+    (directory / WEIGHTS).write_bytes(weights)
+    try:
+        manifest = inspect_adapter(directory, TINY_SHAPE)
+    except AdapterError:
+        return
+    assert len(manifest.modules) == 4
