@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import gzip
 import stat
+import struct
 import tarfile
 import zipfile
 import zlib
@@ -194,6 +195,23 @@ def _write(path: Path, name: str, stream: IO[bytes], budget: ByteBudget) -> None
             out.write(block)
 
 
+# What tarfile, zipfile and their decompressors raise on hostile bytes, beyond their own error classes:
+# numbers, text and extra fields they fail to decode, versions and methods they do not support (each
+# one found by tests/security/test_fuzz_archives.py). All mean "not a readable archive".
+_UNREADABLE = (
+    tarfile.TarError,
+    zipfile.BadZipFile,
+    zipfile.LargeZipFile,
+    EOFError,
+    OSError,
+    zlib.error,
+    ValueError,
+    IndexError,
+    OverflowError,
+    struct.error,
+    NotImplementedError,
+)
+
 # -- tar ------------------------------------------------------------------------------------------
 
 _EXTENSION_TYPES = (
@@ -288,8 +306,7 @@ def _untar(stream: IO[bytes], target: Path, budget: ByteBudget, limits: ArchiveL
                 part = target / f".entry-{index}"  # no accepted name ends this way
                 _write(part, member.name, extracted, budget)
                 staged.append((member.name, part))
-    except (tarfile.TarError, EOFError, OSError, zlib.error, ValueError) as exc:
-        # ValueError: numbers and text in hostile headers that tarfile fails to convert
+    except _UNREADABLE as exc:
         raise Invalid(f"the archive is not a readable .tar.gz: {exc}") from None
     names = _strip_folder(raw for raw, _ in staged)
     for raw, part in staged:
@@ -360,6 +377,5 @@ def _unzip(stream: IO[bytes], target: Path, budget: ByteBudget, limits: ArchiveL
                 # zipfile stops at the declared size and checks the CRC, so a lying header fails too.
                 with archive.open(info) as extracted:
                     _write(target / names[info.filename], names[info.filename], extracted, budget)
-    except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, OSError, zlib.error, ValueError) as exc:
-        # ValueError: numbers and text in hostile headers that zipfile fails to convert
+    except _UNREADABLE as exc:
         raise Invalid(f"the archive is not a readable .zip: {exc}") from None
