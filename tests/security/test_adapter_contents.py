@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import time
 import tracemalloc
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -97,7 +97,9 @@ def test_non_finite_number_anywhere_in_the_config_is_refused(tmp_path: Path) -> 
         ({"rank_pattern": {"q_proj": 1.5}}, r"rank_pattern\['q_proj'\] must be a positive integer"),
     ],
 )
-def test_config_values_of_the_wrong_type_or_range_are_refused(tmp_path: Path, changes, message) -> None:  # type: ignore[no-untyped-def]
+def test_config_values_of_the_wrong_type_or_range_are_refused(
+    tmp_path: Path, changes: dict[str, Any], message: str
+) -> None:
     refused(write_adapter(tmp_path / "a", {**config_dict(), **changes}), f"adapter_config.json: {message}")
 
 
@@ -183,7 +185,9 @@ def test_a_long_name_against_a_catastrophic_pattern_stays_fast() -> None:
         ({"exclude_modules": ["k" * 600]}, "exclude_modules: a module name is longer than 512"),
     ],
 )
-def test_patterns_re2_cannot_run_or_too_many_are_refused(tmp_path: Path, changes, message) -> None:  # type: ignore[no-untyped-def]
+def test_patterns_re2_cannot_run_or_too_many_are_refused(
+    tmp_path: Path, changes: dict[str, Any], message: str
+) -> None:
     refused(write_adapter(tmp_path / "a", {**config_dict(), **changes}), message)
 
 
@@ -223,10 +227,11 @@ def test_matching_is_exactly_peft_s(case: dict[str, Any]) -> None:
             name = module_name(layer, module)
             # PEFT answers a Match, True, False, None or an excluded marker that is falsy.
             assert ours.targets(name) == bool(check_target_module_exists(theirs, name)), name
-            rank_key = get_pattern_key(theirs.rank_pattern.keys(), name)
-            alpha_key = get_pattern_key(theirs.alpha_pattern.keys(), name)
-            assert ours.rank_of(name) == theirs.rank_pattern.get(rank_key, theirs.r), name
-            assert ours.alpha_of(name) == theirs.alpha_pattern.get(alpha_key, theirs.lora_alpha), name
+            ranks, alphas = theirs.rank_pattern or {}, theirs.alpha_pattern or {}
+            assert ours.rank_of(name) == ranks.get(get_pattern_key(list(ranks), name), theirs.r), name
+            assert ours.alpha_of(name) == alphas.get(
+                get_pattern_key(list(alphas), name), theirs.lora_alpha
+            ), name
 
 
 # --- adapter_model.safetensors: the header ----------------------------------------------------------
@@ -411,7 +416,7 @@ def test_non_finite_weights_are_refused_naming_the_tensor(tmp_path: Path, dtype:
 @pytest.mark.parametrize("dtype", ["F32", "F16", "BF16"])
 def test_extreme_but_finite_weights_are_accepted(tmp_path: Path, dtype: str) -> None:
     tensors = lora_tensors()
-    info = {"F32": np.finfo(np.float32), "F16": np.finfo(np.float16), "BF16": np.finfo(np.float32)}[dtype]
+    info = np.finfo(np.float16 if dtype == "F16" else np.float32)
     extremes = [float(info.max), -float(info.max), float(info.smallest_subnormal), -0.0, 0.0]
     if dtype == "BF16":  # the largest BF16 is F32's max with its low 16 bits cleared
         extremes[:2] = [3.3895313892515355e38, -3.3895313892515355e38]
@@ -457,7 +462,7 @@ def test_finite_check_reads_each_tensor_s_own_bytes(tmp_path: Path) -> None:
 
 
 @pytest.fixture
-def client(sqlite_url: str, app_factory) -> Iterator[TestClient]:  # type: ignore[no-untyped-def]  # noqa: F811
+def client(sqlite_url: str, app_factory: Callable[..., FastAPI]) -> Iterator[TestClient]:  # noqa: F811
     app: FastAPI = app_factory(sqlite_url)
     with TestClient(app) as c:
         yield c
