@@ -479,6 +479,7 @@ def test_admin_api_accepts_kubernetes_endpoints_and_shows_the_pods(
         {"endpoint": "http://127.0.0.1:9", "pod": None, "ready": None, "detail": "static"}
     ]
     assert cp.patch("/admin/v1/deployments/none", json={"endpoints": []}, headers=ADMIN).status_code == 404
+    assert cp.get("/admin/v1/deployments/a%00b", headers=ADMIN).status_code == 422  # never reaches SQL
 
 
 @pytest.mark.parametrize(

@@ -186,7 +186,8 @@ class PodWatch:
                 self._stop.wait(delay)
 
     def _list(self) -> str:
-        response = self.api.list_namespaced_pod(
+        # Raw JSON (_preload_content=False: urllib3's response), as the watch reads it too.
+        response: Any = self.api.list_namespaced_pod(
             self.target.namespace,
             label_selector=self.target.selector,
             _preload_content=False,

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request, status
+from typing import Annotated
+
+from fastapi import APIRouter, Path, Request, status
 
 from ...schemas import DeploymentCreate, DeploymentPublic, DeploymentUpdate
 from ...services import deployments
 from ..deps import AdminDep, SessionDep
 
 router = APIRouter(prefix="/admin/v1/deployments", tags=["admin"])
+DeploymentName = Annotated[str, Path(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")]
 
 
 @router.post("", status_code=status.HTTP_201_CREATED)
@@ -25,13 +28,15 @@ def list_deployments(request: Request, session: SessionDep, _: AdminDep) -> list
 
 
 @router.get("/{name}")
-def get_deployment(name: str, request: Request, session: SessionDep, _: AdminDep) -> DeploymentPublic:
+def get_deployment(
+    name: DeploymentName, request: Request, session: SessionDep, _: AdminDep
+) -> DeploymentPublic:
     return deployments.to_public(deployments.by_name(session, name), request.app.state.discovery)
 
 
 @router.patch("/{name}")
 def update_deployment(
-    name: str, body: DeploymentUpdate, request: Request, session: SessionDep, _: AdminDep
+    name: DeploymentName, body: DeploymentUpdate, request: Request, session: SessionDep, _: AdminDep
 ) -> DeploymentPublic:
     updated = deployments.update_deployment(session, name, body)
     return deployments.with_replicas(updated, request.app.state.discovery)
