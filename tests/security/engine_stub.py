@@ -53,6 +53,8 @@ class Engine:
             prompt = estimate_tokens(prompt_text(body))
             if body.get("stream"):
                 return StreamingResponse(self._stream(body, limit, prompt), media_type="text/event-stream")
+            while self.allowed is not None:  # a plain answer waits until tokens are released
+                await anyio.sleep(0.01)
             self.produced += limit
             usage = {"prompt_tokens": prompt, "completion_tokens": limit, "total_tokens": prompt + limit}
             return JSONResponse(

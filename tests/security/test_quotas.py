@@ -187,6 +187,22 @@ def test_a_long_stream_is_charged_to_the_minutes_it_produces_in(gw: Gateway) -> 
     gw.wait_for_ledger({first: prompt + 100, first + 1: 150, first + 2: 50})
 
 
+def test_an_unstreamed_answer_holds_its_allowance_and_is_spread_over_the_minutes_it_took(gw: Gateway) -> None:
+    prompt = estimate_tokens(PROMPT)
+    first = gw.minute
+    gw.engine.allowed = 0  # the engine holds its answer
+    client = httpx.Client(base_url=gw.url, headers=gw.headers, timeout=30)
+    with ThreadPoolExecutor(max_workers=1) as pool, client:
+        pending = pool.submit(client.post, "/v1/completions", json=completion(max_tokens=120))
+        gw.wait_for_ledger({first: prompt + 120})
+        gw.clock.now += 60  # ten seconds into the next minute: the allowance moves with the clock
+        gw.wait_for_ledger({first: prompt, first + 1: 120})
+        gw.engine.allowed = None
+        assert pending.result().status_code == 200
+    # 120 tokens over 60 s: 50 s of them in the first minute, 10 s in the second.
+    gw.wait_for_ledger({first: prompt + 100, first + 1: 20})
+
+
 def test_an_engine_dying_mid_stream_is_counted_and_reported(gw: Gateway) -> None:
     gw.engine.die_after = 7
     with httpx.Client(base_url=gw.url, headers=gw.headers, timeout=30) as client:
