@@ -238,6 +238,7 @@ def test_admins_create_tenants_users_and_quotas_from_the_console(app: FastAPI) -
             "tokens_per_minute": None,
             "max_adapters": 3,
             "max_adapter_bytes": None,
+            "max_storage_bytes": None,
         }
 
         short = post_form(

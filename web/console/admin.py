@@ -27,6 +27,7 @@ QUOTA_FIELDS = {
     "tokens_per_minute": "Tokens per minute",
     "max_adapters": "Adapters at most",
     "max_adapter_bytes": "Bytes per adapter at most",
+    "max_storage_bytes": "Bytes of all adapters at most",
 }
 
 
@@ -118,8 +119,9 @@ async def set_quota(tenant_id: uuid.UUID, request: Request, _: Admin) -> Respons
             if not errors:
                 try:
                     tenants.set_quota(session, tenant_id, QuotaUpdate(**parsed))
-                except ValidationError:
-                    errors["max_adapter_bytes"] = "A value is too large."
+                except ValidationError as exc:  # name the byte field that was too large
+                    field = next((str(e["loc"][0]) for e in exc.errors() if e["loc"]), "max_adapter_bytes")
+                    errors[field] = "A value is too large."
                 except ServiceError as exc:
                     return redirect(request, "/console/admin/tenants", flash=exc.message)
                 else:
