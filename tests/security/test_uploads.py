@@ -382,6 +382,25 @@ def test_an_over_quota_upload_reads_no_body(platform: tuple[FastAPI, Api], spool
     assert list(spool.iterdir()) == []
 
 
+def test_a_full_storage_quota_reads_no_body(
+    platform: tuple[FastAPI, Api],
+    spool: Path,
+    peft_dir: Path,  # noqa: F811
+) -> None:
+    app, api = platform
+    tenant, key = api.tenant_with_key("acme")
+    files = [("files", (n, c, "application/octet-stream")) for n, c in loose(peft_dir)]
+    made = api.client.post(
+        "/api/v1/adapters", data={"name": "a1", "deployment": "tiny"}, files=files, headers=key
+    )
+    assert made.status_code == 201, made.text
+    set_quota(api, tenant["id"], max_storage_bytes=made.json()["bytes"])
+    body = CountingBody(total=MiB)
+    status, response = call(app, "/api/v1/adapters", {**MULTIPART, **key}, body, MiB)
+    assert status == 403 and b"storage quota" in response and body.pulled == 0
+    assert list(spool.iterdir()) == []
+
+
 def test_a_declared_length_over_the_tenants_byte_limit_reads_no_body(
     platform: tuple[FastAPI, Api], spool: Path
 ) -> None:

@@ -4,27 +4,36 @@ from __future__ import annotations
 
 import uuid
 
-from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from ..db.models import Adapter
+from .adapters import storage_usage
 from .errors import Forbidden
 from .tenants import quota_of
 
 
 def upload_byte_limit(session: Session, tenant_id: uuid.UUID, upload_limit: int) -> int:
-    """The byte limit of this tenant's next upload; refuses a tenant with no room for another adapter.
+    """The byte limit of this tenant's next upload: the platform's, the tenant's per-adapter limit and
+    what is left of its storage quota, whichever is least. Refuses a tenant with no room left.
 
     A cheap early refusal, so an over-quota tenant's body is never read; `adapters.upload_adapter`
-    enforces the same quota again, atomically, when it keeps the adapter.
+    enforces the same quotas again, atomically, when it keeps the adapter.
     """
     quota = quota_of(session, tenant_id)
-    if quota.max_adapters is not None:
-        count = session.scalar(
-            select(func.count()).select_from(Adapter).where(Adapter.tenant_id == tenant_id)
+    usage = storage_usage(session, tenant_id)
+    if usage.max_adapters is not None and usage.adapters >= usage.max_adapters:
+        raise Forbidden(
+            f"this tenant already has its quota of {usage.max_adapters} adapters (max_adapters); "
+            "delete one first"
         )
-        if (count or 0) >= quota.max_adapters:
-            raise Forbidden(f"this tenant already has its quota of {quota.max_adapters} adapters; delete one")
+    limit = upload_limit
     if quota.max_adapter_bytes is not None:
-        return min(upload_limit, quota.max_adapter_bytes)
-    return upload_limit
+        limit = min(limit, quota.max_adapter_bytes)
+    if usage.max_storage_bytes is not None:
+        left = usage.max_storage_bytes - usage.bytes
+        if left <= 0:
+            raise Forbidden(
+                "this tenant's adapters fill its storage quota (max_storage_bytes "
+                f"{usage.max_storage_bytes}; {usage.bytes} bytes in use); delete an adapter first"
+            )
+        limit = min(limit, left)
+    return limit
