@@ -1,10 +1,18 @@
-"""LLMEngine: the offline API. `step()` is schedule → run → postprocess; `generate()` loops it."""
+"""LLMEngine: the offline API. `step()` is schedule → run → postprocess; `generate()` loops it.
+
+One tenant's adapter must not fail another tenant's request. A step that raises (or yields logits that
+are not finite) is run again once; if it fails again, the batch is bisected by adapter to find the
+adapters whose requests fail on their own. Only their requests end, with `adapter_failed`, the adapters
+are refused from then on, and the rest of the batch runs. A failure no adapter explains is raised (as
+`StepError`, after the one retry) for the server to fail the step's requests.
+"""
 
 from __future__ import annotations
 
 import itertools
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,11 +32,45 @@ from .request import Request, RequestOutput, RequestStatus
 from .runner import ModelRunner
 from .sampler import sample, token_logprobs
 from .sampling_params import SamplingParams
-from .scheduler import Scheduler
+from .scheduler import ScheduledChunk, Scheduler
 
 log = logging.getLogger(__name__)
 
 Prompt = str | Sequence[int]
+
+# Why a request ended with an error (finish_reason "error"): the codes of the wire contract.
+ADAPTER_FAILED = "adapter_failed"  # the adapter is at fault: refused until registered with other weights
+ADAPTER_UNAVAILABLE = "adapter_unavailable"  # its store could not be read: retry later
+ENGINE_ERROR = "engine_error"
+
+
+@dataclass
+class FailedOutput(RequestOutput):
+    """The last output of a request the engine ended with an error, and whose fault that was."""
+
+    error_code: str = ENGINE_ERROR
+
+
+class RequestTooLarge(ValueError):
+    """A request that can never fit this engine; `param` names the field to change."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
+class NonFiniteLogits(RuntimeError):
+    """A step produced NaN or infinite logits for some of its requests."""
+
+
+class StepError(RuntimeError):
+    """A step failure no adapter explains (raised after one retry). `outputs` are those the step
+    produced before it gave up (requests ended for a guilty adapter): deliver them, then fail the rest."""
+
+    def __init__(self, cause: Exception, outputs: list[RequestOutput]):
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.cause = cause
+        self.outputs = outputs
 
 
 class LLMEngine:
@@ -137,7 +179,7 @@ class LLMEngine:
             ids = self.tokenizer.encode(prompt)
         else:
             text, ids = None, [int(t) for t in prompt]
-        self._check_prompt(ids, params)
+        self._check_prompt(ids, params, adapter)
         arrival = next(self._arrivals)
         request_id = request_id or f"req-{arrival}"
         if request_id in self._requests:
@@ -157,7 +199,7 @@ class LLMEngine:
         self.scheduler.add(request)
         return request_id
 
-    def _check_prompt(self, ids: list[int], params: SamplingParams) -> None:
+    def _check_prompt(self, ids: list[int], params: SamplingParams, adapter: str | None = None) -> None:
         if not ids:
             raise ValueError("the prompt is empty: at least one token is needed")
         vocab = self.loaded.config.vocab_size
@@ -171,10 +213,15 @@ class LLMEngine:
             )
         longest = min(len(ids) + params.max_tokens, self.max_model_len)
         usable = self.pool.num_pages - 1  # less the zero page
-        if self.scheduler.pages_for(longest) > usable:
-            raise ValueError(
-                f"prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) needs "
-                f"{self.scheduler.pages_for(longest)} pages; the pool has {usable}"
+        # Alone in the pool, the request must fit with its adapter, or it could never finish.
+        adapter_pages = self.adapters.pages_of(adapter) if adapter is not None else 0
+        kv_pages = self.scheduler.pages_for(longest)
+        if kv_pages + adapter_pages > usable:
+            with_adapter = f" and its adapter {adapter_pages} more" if adapter_pages else ""
+            raise RequestTooLarge(
+                f"prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) needs {kv_pages} pages"
+                f"{with_adapter}; the pool has {usable}: lower max_tokens or shorten the prompt",
+                "max_tokens",
             )
 
     def abort(self, request_id: str) -> None:
@@ -197,7 +244,13 @@ class LLMEngine:
                 raise RuntimeError("the scheduler could not admit any request into an empty pool")
             return outputs
         chunks = self.runner.order(scheduled.chunks)
-        logits = self.runner.execute(self.runner.build(chunks))
+        try:
+            logits = self._forward(chunks)
+        except Exception as error:
+            chunks, survived = self._isolate_fault(chunks, error, outputs)
+            if survived is None:
+                return outputs
+            logits = survived
         sampled = [c.request for c in chunks if c.samples]
         tokens = sample(logits, sampled)
         token_logprobs(logits, sampled, tokens)
@@ -209,6 +262,88 @@ class LLMEngine:
             outputs.append(self._append_token(request, token))
         return outputs
 
+    def _forward(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
+        """Logits [S, vocab] of the chunks' sampled rows; NonFiniteLogits if any row is not finite."""
+        logits = self.runner.execute(self.runner.build(chunks))
+        finite = torch.isfinite(logits).all(dim=-1)  # [S]
+        if not bool(finite.all()):
+            sampled = [c.request.request_id for c in chunks if c.samples]
+            bad = [sampled[i] for i in (~finite).nonzero().flatten().tolist()]
+            raise NonFiniteLogits(f"the logits of {', '.join(bad)} are not finite")
+        return logits
+
+    def _isolate_fault(
+        self, chunks: list[ScheduledChunk], error: Exception, outputs: list[RequestOutput]
+    ) -> tuple[list[ScheduledChunk], torch.Tensor | None]:
+        """After a failed forward: retry once; then end the requests of the adapters that fail on their
+        own (appending their outputs) and run the rest. Returns the chunks that ran and their logits."""
+        log.warning("a step failed (%s: %s); running it again", type(error).__name__, error)
+        try:
+            return chunks, self._forward(chunks)
+        except Exception as again:
+            error = again
+        guilty = self._guilty_adapters(chunks)
+        if not guilty:
+            raise StepError(error, outputs) from error
+        for name, reason in guilty.items():
+            outputs.extend(self._fail_adapter(name, reason))
+        rest = [c for c in chunks if c.request.adapter not in guilty]
+        if not rest:
+            return [], None
+        try:
+            return rest, self._forward(rest)
+        except Exception as still:
+            raise StepError(still, outputs) from still
+
+    def _guilty_adapters(self, chunks: list[ScheduledChunk]) -> dict[str, str]:
+        """The adapters whose chunks fail when run without the others, found by bisecting the step's
+        adapters (a few forwards for one bad adapter among many), each with the error it raised."""
+        by_adapter: dict[str, list[ScheduledChunk]] = {}
+        for chunk in chunks:
+            if chunk.request.adapter is not None:
+                by_adapter.setdefault(chunk.request.adapter, []).append(chunk)
+
+        def failure(names: list[str]) -> str | None:
+            try:
+                self._forward([c for n in names for c in by_adapter[n]])
+            except Exception as error:
+                return f"{type(error).__name__}: {error}"
+            return None
+
+        guilty: dict[str, str] = {}
+
+        def search(names: list[str]) -> None:
+            if not names:  # a step of the base model alone: no adapter to blame
+                return
+            reason = failure(names)
+            if reason is None:
+                return
+            if len(names) == 1:
+                guilty[names[0]] = reason
+                return
+            half = len(names) // 2
+            search(names[:half])
+            search(names[half:])
+
+        search(list(by_adapter))
+        return guilty
+
+    def _fail_adapter(self, name: str, reason: str) -> list[RequestOutput]:
+        """Refuse adapter `name` from now on and end every request that uses it; the others go on."""
+        message = f"adapter {name!r} failed while running: {reason}"
+        queued = (*self.scheduler.running, *self.scheduler.waiting)
+        victims = [r for r in queued if r.adapter == name and not r.finished]
+        for request in victims:
+            # Its cache pages may hold NaN now; a page reused by another request is read beyond that
+            # request's own tokens too (masked, but NaN times zero is NaN), so they go back zeroed.
+            self.cache.memory[request.pages] = 0  # page-major
+            request.error = message
+            self.scheduler.finish(request, "error")
+            self._requests.pop(request.request_id, None)
+        self.adapters.mark_failed(name, message)
+        log.warning("%s; ended %d request(s) that used it", message, len(victims))
+        return [self._output(r, code=ADAPTER_FAILED) for r in victims]
+
     def _next_adapters(self) -> list[str]:
         """Adapters of the requests next in the queue, in order: what to have in host memory soon."""
         wanted: dict[str, None] = {}
@@ -218,17 +353,25 @@ class LLMEngine:
         return list(wanted)
 
     def _fail_broken_adapters(self) -> list[RequestOutput]:
-        """Finish waiting requests whose adapter's weights could not be read, with the reason."""
-        failed = self.adapters.failed
-        if not failed:
+        """Finish waiting requests whose adapter could not be loaded, with the reason: refused
+        (adapter_failed), or its store unreachable (adapter_unavailable; the next request retries)."""
+        failed, unavailable = self.adapters.failed, self.adapters.unavailable
+        if not failed and not unavailable:
             return []
-        broken = [r for r in self.scheduler.waiting if r.adapter in failed]
-        for request in broken:
+        outputs = []
+        for request in [r for r in self.scheduler.waiting if r.adapter in failed or r.adapter in unavailable]:
             assert request.adapter is not None
-            request.error = f"adapter {request.adapter!r} failed to load: {failed[request.adapter]}"
+            if request.adapter in failed:
+                code, why = ADAPTER_FAILED, failed[request.adapter]
+            else:
+                code, why = ADAPTER_UNAVAILABLE, unavailable[request.adapter]
+            request.error = f"adapter {request.adapter!r} could not be loaded: {why}"
             self.scheduler.finish(request, "error")
             self._requests.pop(request.request_id, None)
-        return [self._output(r) for r in broken]
+            outputs.append(self._output(request, code=code))
+        # Those who waited through the outage were told; whoever asks next tries the store again.
+        unavailable.clear()
+        return outputs
 
     def _append_token(self, request: Request, token: int) -> RequestOutput:
         params = request.params
@@ -277,8 +420,9 @@ class LLMEngine:
         request.stop_reason = stop
         return True
 
-    def _output(self, request: Request, new_text: str = "") -> RequestOutput:
-        return RequestOutput(
+    def _output(self, request: Request, new_text: str = "", code: str | None = None) -> RequestOutput:
+        output_type = RequestOutput if code is None else FailedOutput
+        output = output_type(
             request_id=request.request_id,
             prompt=request.prompt,
             prompt_token_ids=request.prompt_token_ids,
@@ -291,6 +435,9 @@ class LLMEngine:
             logprobs=list(request.logprobs) if request.params.logprobs is not None else None,
             error=request.error,
         )
+        if isinstance(output, FailedOutput) and code is not None:
+            output.error_code = code
+        return output
 
     # -- offline API --------------------------------------------------------------------------------
 

@@ -6,6 +6,8 @@ scheduled request, so a prefill and a decode are the same thing with different c
 fit a per-step token budget, which is how long prompts are prefilled in pieces beside running decodes.
 When the pool has no page for a running request, the most recently admitted request is preempted: its
 pages are freed and it goes back to the front of the queue, to be recomputed from its tokens later.
+A request with an adapter joins only when the pool can hold both: its adapter's pages (unless resident)
+and the pages of its first chunk; otherwise it waits, and no adapter is loaded for it in vain.
 
 Plain bookkeeping: no torch, tested on the CPU in milliseconds.
 """
@@ -56,6 +58,8 @@ class AdapterHolder(Protocol):
     def release(self, name: str) -> None: ...
 
     def evict_unused(self, pages_wanted: int) -> int: ...
+
+    def evictable_pages(self) -> int: ...
 
 
 class Scheduler:
@@ -112,9 +116,14 @@ class Scheduler:
             count = min(request.num_tokens - request.num_computed_tokens, budget)
             if request.adapter is not None and not request.holds_adapter:
                 assert self.adapters is not None, "a request names an adapter but the engine serves none"
-                loading = self.adapters.pages_needed(request.adapter) > 0
+                adapter_pages = self.adapters.pages_needed(request.adapter)
+                loading = adapter_pages > 0
                 if loading and loads >= self.max_adapter_loads_per_step:
                     break
+                kv_pages = self.pages_for(request.num_computed_tokens + count) - len(request.pages)
+                can_free = self.pool.num_free + self.adapters.evictable_pages()
+                if loading and can_free < adapter_pages + kv_pages:
+                    break  # not with its adapter, not now: it waits for pages to be freed
                 if not self.adapters.acquire(request.adapter):
                     break
                 loads += loading

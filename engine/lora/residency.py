@@ -7,6 +7,13 @@ prefetches those of queued requests; an adapter is resident while it owns pages 
 adapter; adapters nobody holds stay resident until their pages are wanted, then the least recently used
 goes first. The scheduler only calls pages_needed / acquire / release / evict_unused: bookkeeping it
 can reason about without touching the device.
+
+Faults stay with their adapter. Weights that cannot be read, fail verification, or hold values that are
+not finite in the pool's dtype mark the adapter `failed` (the engine refuses it from then on, with the
+reason) and nothing else is touched; so does a step failure the engine attributes to it (`mark_failed`).
+A failed adapter stays failed until it is registered again with other weights (another digest) or
+unregistered. A store that cannot be reached is not the adapter's fault: that is `unavailable`, and the
+next request that wants the adapter tries again.
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ from loraplex.adapters import AdapterError, AdapterManifest, BaseShape
 from ..pool import PageKind, PagePool
 from .host_cache import HostCache
 from .layout import PackedAdapter, count_rows, pack_adapter, physical_rows
-from .sources import AdapterSource, DirectorySource
+from .sources import AdapterSource, DirectorySource, LoraWeights
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +86,8 @@ class AdapterResidency:
         self.host = HostCache(host_cache_bytes)
         self.registered: dict[str, Registered] = {}
         self.resident: dict[str, Resident] = {}
-        self.failed: dict[str, str] = {}  # name -> why its weights could not be loaded
+        self.failed: dict[str, str] = {}  # name -> why it is refused (the adapter is at fault)
+        self.unavailable: dict[str, str] = {}  # name -> why its store could not be read (retried)
         self._unused: OrderedDict[str, None] = OrderedDict()  # resident, unreferenced, oldest first
         self.version = 0  # changes whenever an adapter's pages change: stacked gathers are stale then
         self.stats = ResidencyStats()
@@ -102,9 +110,15 @@ class AdapterResidency:
             raise AdapterError(
                 f"adapter {name!r} needs {pages} pages; the pool has {self.pool.num_pages - 1}"
             )
+        fault = None
         if name in self.registered:
+            # The same weights again are the same fault: only other weights clear it.
+            if self.registered[name].manifest.sha256 == manifest.sha256:
+                fault = self.failed.get(name)
             self.unregister(name)
         self.registered[name] = Registered(name, source, pages)
+        if fault is not None:
+            self.failed[name] = fault
         return manifest
 
     def unregister(self, name: str) -> None:
@@ -120,12 +134,27 @@ class AdapterResidency:
             self._drop(name)
         del self.registered[name]
         self.failed.pop(name, None)
+        self.unavailable.pop(name, None)
         self.host.discard(name)
+
+    def mark_failed(self, name: str, reason: str) -> None:
+        """Refuse `name` from now on (the engine found it at fault). Its pages are freed as soon as no
+        request holds it, and its host copy at once, so nothing of it is served again."""
+        self.failed[name] = reason
+        self.host.discard(name)
+        resident = self.resident.get(name)
+        if resident is not None and not resident.references:
+            self._drop(name)
+        log.warning("adapter %s is refused from now on: %s", name, reason)
 
     # -- what the scheduler calls -----------------------------------------------------------------
 
     def pages_needed(self, name: str) -> int:
         return 0 if name in self.resident else self.registered[name].pages
+
+    def pages_of(self, name: str) -> int:
+        """Pages the adapter occupies when resident, whether it is now or not."""
+        return self.registered[name].pages
 
     def prefetch(self, names: Iterable[str]) -> None:
         """Start reading the host copies of adapters about to be wanted (those of queued requests)."""
@@ -140,6 +169,7 @@ class AdapterResidency:
             raise AdapterError(f"adapter {name!r} is not registered")
         if name in self.failed:
             return False
+        self.unavailable.pop(name, None)  # the store may be back: this request tries again
         if name not in self.resident and not self._load(name):
             return False
         resident = self.resident[name]
@@ -152,7 +182,10 @@ class AdapterResidency:
         resident.references -= 1
         assert resident.references >= 0, name
         if resident.references == 0:
-            self._unused[name] = None
+            if name in self.failed:
+                self._drop(name)
+            else:
+                self._unused[name] = None
 
     def evict_unused(self, pages_wanted: int) -> int:
         """Free unreferenced adapters, least recently used first, until `pages_wanted` are free."""
@@ -160,6 +193,10 @@ class AdapterResidency:
         while self._unused and self.pool.num_free < pages_wanted:
             freed += self._evict_oldest()
         return freed
+
+    def evictable_pages(self) -> int:
+        """Pages that evict_unused could free: those of resident adapters no request holds."""
+        return sum(len(self.resident[name].pages) for name in self._unused)
 
     def _evict_oldest(self) -> int:
         name = next(iter(self._unused))
@@ -175,9 +212,14 @@ class AdapterResidency:
         dtype, pin = self.pool_rows.dtype, self.pool_rows.is_cuda
 
         def pack() -> PackedAdapter:
-            packed = pack_adapter(
-                source.manifest, source.load(dtype), self.base, self.head_dim, self.rows_per_page
-            )
+            weights = source.load(dtype)
+            check_finite(weights)
+            packed = pack_adapter(source.manifest, weights, self.base, self.head_dim, self.rows_per_page)
+            if not bool(torch.isfinite(packed.data).all()):
+                raise AdapterError(
+                    "the adapter's B matrices overflow when scaled by lora_alpha / r in this engine's "
+                    f"dtype ({dtype}): refusing it"
+                )
             if pin:  # page-locked host memory: the copy into the pool runs at full bus speed
                 packed.data = packed.data.pin_memory()
             return packed
@@ -197,9 +239,13 @@ class AdapterResidency:
         began = time.perf_counter()
         try:
             packed = self.host.get(name, self._packer(name))
-        except AdapterError as error:
+        except ValueError as error:  # AdapterError among them: what is there is refused
             self.failed[name] = str(error)
             log.warning("adapter %s failed to load: %s", name, error)
+            return False
+        except Exception as error:  # the store did not answer: not the adapter's fault, tried again later
+            self.unavailable[name] = f"the adapter store could not be read: {type(error).__name__}: {error}"
+            log.warning("adapter %s could not be fetched: %s", name, error)
             return False
         pages = self.pool.allocate(needed, ("adapter", name), PageKind.ADAPTER)
         device = self.pool_rows.device
@@ -222,3 +268,16 @@ class AdapterResidency:
         self._unused.pop(name, None)
         self.pool.free(resident.pages, ("adapter", name))
         self.version += 1
+
+
+def check_finite(weights: LoraWeights) -> None:
+    """Refuse weights holding NaN or infinity (also when the pool's dtype is too narrow for them):
+    one such adapter would turn the logits of its requests into NaN, and a step that samples them
+    raises."""
+    for (layer, module), (a, b) in sorted(weights.items()):
+        for which, matrix in (("lora_A", a), ("lora_B", b)):
+            if not bool(torch.isfinite(matrix).all()):
+                raise AdapterError(
+                    f"{which} of layer {layer} {module} holds NaN or infinite values "
+                    f"(in {matrix.dtype}): refusing the adapter"
+                )

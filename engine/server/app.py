@@ -6,9 +6,14 @@ loop runs. Generation requests go through `AsyncEngine`; a request's status code
 after its first output (or failure), so an adapter that cannot load still answers 422, not a broken
 200 stream.
 
-Trust: the gateway sends `X-Loraplex-Internal-Token` with tenant and adapter headers. Those headers are
-honoured only with the right token (compared in constant time); without a token configured, they and
-the adapter-management endpoints are refused.
+Trust: the gateway sends `X-Loraplex-Internal-Token` with tenant and adapter headers. With a token
+configured (LORAPLEX_INTERNAL_TOKEN, as on every cluster), nothing under /v1/ is served without it (401;
+compared in constant time); /health, /ready and /metrics stay open for probes and the autoscaler.
+Without a token configured, the tenant and adapter headers and the adapter-management endpoints are
+refused, and /v1/ serves the base model and the adapters registered at start (`loraplex serve` alone).
+
+Hostile input: every request body is capped (limits.MAX_REQUEST_BODY_BYTES, 413 unread), and every field
+whose cost grows with its size is capped in protocol.py by the numbers of limits.py (400 naming it).
 """
 
 from __future__ import annotations
@@ -25,11 +30,14 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import SecretStr
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from loraplex.adapters import AdapterError, AdapterManifest
 
-from . import protocol
+from . import limits, protocol
 from .async_engine import (
+    AdapterFailed,
     AdapterFetchFailed,
     AdapterUnavailable,
     AsyncEngine,
@@ -44,6 +52,8 @@ from .delivery import (
     ClientGone,
     Delivery,
     Job,
+    adapter_failed,
+    adapter_unavailable,
     failure,
     last_output,
     output_failure,
@@ -185,7 +195,7 @@ class ServerState:
                 "permission_error",
                 "internal_token_not_configured",
             )
-        if not hmac.compare_digest(presented.encode(), token.get_secret_value().encode()):
+        if not token_matches(presented, token):
             raise OpenAIError(
                 401, "the internal token is wrong", "invalid_request_error", "invalid_internal_token"
             )
@@ -208,6 +218,7 @@ class ServerState:
             )
 
     def caller(self, request: Request) -> Caller:
+        """Who is calling /v1/: with a token configured, only the holder of it (the gateway)."""
         trusted = self.presented_token(request)
         sent = [h for h in GATEWAY_HEADERS if h in request.headers]
         if sent and not trusted:
@@ -221,6 +232,13 @@ class ServerState:
             raise OpenAIError(
                 401,
                 f"{', '.join(sent)} need a valid {INTERNAL_TOKEN_HEADER}",
+                "invalid_request_error",
+                "missing_internal_token",
+            )
+        if not trusted and self.settings.internal_token is not None:
+            raise OpenAIError(
+                401,
+                f"this engine serves only the gateway: send the {INTERNAL_TOKEN_HEADER} header",
                 "invalid_request_error",
                 "missing_internal_token",
             )
@@ -245,6 +263,10 @@ class ServerState:
                     f"{ADAPTER_ID_HEADER} needs {ADAPTER_URI_HEADER} too", code="adapter_uri_missing"
                 )
             sha256 = request.headers.get(ADAPTER_SHA256_HEADER) or None
+            if sha256 is not None and not protocol.is_sha256(sha256):
+                raise bad_request(
+                    f"{ADAPTER_SHA256_HEADER} must be 64 hex digits", code="adapter_sha256_invalid"
+                )
             name = GATEWAY_ADAPTER_PREFIX + adapter_id
             await self.ensure_adapter(engine, name, uri, sha256)
             return name
@@ -263,11 +285,14 @@ class ServerState:
         per name, shared by the requests that arrive meanwhile (and not cancelled if one leaves)."""
         known = engine.adapters.get(name)
         fresh = known is not None and (sha256 is None or known == sha256.lower())
-        if fresh and name not in engine.failed_adapters:
+        if fresh and name in engine.failed_adapters:
+            # The same weights failed here before: refused with the reason until other weights come.
+            raise adapter_failed(f"adapter {name!r}: {engine.failed_adapters[name]}")
+        if fresh:
             return
         pending = self._registering.get(name)
         if pending is None:
-            pending = asyncio.ensure_future(self.register(engine, name, uri, sha256))
+            pending = asyncio.ensure_future(self.register(engine, name, uri, sha256, for_gateway=True))
             self._registering[name] = pending
 
             def forget(done: asyncio.Future[AdapterManifest]) -> None:
@@ -278,17 +303,26 @@ class ServerState:
             pending.add_done_callback(forget)
         await asyncio.shield(pending)
 
-    async def register(self, engine: AsyncEngine, name: str, uri: str, sha256: str | None) -> AdapterManifest:
-        """Register an adapter, answering an HTTP error that says why it was refused."""
+    async def register(
+        self, engine: AsyncEngine, name: str, uri: str, sha256: str | None, for_gateway: bool = False
+    ) -> AdapterManifest:
+        """Register an adapter, answering an HTTP error that says why it was refused. For the gateway,
+        in the wire contract's terms: the adapter at fault (adapter_failed), or its store unreachable
+        (adapter_unavailable)."""
         try:
             manifest = await engine.register_adapter(name, await self.local_adapter(uri, sha256), sha256)
-        except AdapterFetchFailed as exc:
-            self.metrics.adapter_registrations.labels("fetch_failed").inc()
-            raise OpenAIError(
-                400, f"adapter {name!r}: {exc}", "invalid_request_error", "adapter_fetch_failed"
-            ) from exc
+        except AdapterUnavailable as exc:
+            self.metrics.adapter_registrations.labels("unavailable").inc()
+            raise adapter_unavailable(f"adapter {name!r}: {exc}") from exc
         except AdapterError as exc:
-            self.metrics.adapter_registrations.labels("invalid").inc()
+            fetch = isinstance(exc, AdapterFetchFailed)
+            self.metrics.adapter_registrations.labels("fetch_failed" if fetch else "invalid").inc()
+            if for_gateway:  # nothing there, or something there that fails validation or verification
+                raise adapter_failed(f"adapter {name!r}: {exc}") from exc
+            if fetch:
+                raise OpenAIError(
+                    400, f"adapter {name!r}: {exc}", "invalid_request_error", "adapter_fetch_failed"
+                ) from exc
             raise OpenAIError(
                 422, f"adapter {name!r}: {exc}", "invalid_request_error", "adapter_invalid"
             ) from exc
@@ -299,7 +333,12 @@ class ServerState:
     # -- running requests ---------------------------------------------------------------------------------
 
     def params(
-        self, body: protocol._GenerationRequest, prompt_len: int, limit: int | None, logprobs: int | None
+        self,
+        body: protocol._GenerationRequest,
+        prompt_len: int,
+        limit: int | None,
+        logprobs: int | None,
+        adapter: str | None = None,
     ) -> SamplingParams:
         """Sampling parameters, with the context checks a client can act on (400s naming the limits)."""
         from loraplex.engine.sampling_params import SamplingParams
@@ -320,12 +359,13 @@ class ServerState:
                 "max_tokens",
                 "context_length_exceeded",
             )
-        if limit is None:  # as much as the context (and the pool) leaves
-            limit = max(1, min(context, engine.pool_tokens) - prompt_len)
+        if limit is None:  # as much as the context (and the pool, less the adapter's pages) leaves
+            pool_tokens = engine.pool_tokens - engine.adapter_pages.get(adapter or "", 0) * engine.page_size
+            limit = max(1, min(context, pool_tokens, limits.MAX_COMPLETION_TOKENS) - prompt_len)
         try:
             return SamplingParams(
                 max_tokens=limit,
-                temperature=1.0 if body.temperature is None else body.temperature,
+                temperature=sampling_temperature(body.temperature),
                 top_p=1.0 if body.top_p is None else body.top_p,
                 top_k=max(0, body.top_k or 0),
                 seed=body.seed,
@@ -352,12 +392,10 @@ class ServerState:
             raise OpenAIError(
                 404, f"The model `{job.model}` does not exist.", "invalid_request_error", "model_not_found"
             ) from exc
-        except AdapterUnavailable as exc:
-            raise OpenAIError(
-                422, f"adapter {job.model!r}: {exc}", "invalid_request_error", "adapter_unavailable"
-            ) from exc
+        except AdapterFailed as exc:  # before ValueError: an AdapterError is one
+            raise adapter_failed(f"adapter {job.model!r}: {exc}") from exc
         except ValueError as exc:  # the engine's own checks (pool size, vocabulary) name the limit
-            raise bad_request(str(exc)) from exc
+            raise bad_request(str(exc), getattr(exc, "param", None)) from exc
         except EngineUnavailable as exc:
             raise OpenAIError(
                 503, str(exc), "server_error", "not_ready", headers={"Retry-After": str(RETRY_AFTER_S)}
@@ -393,6 +431,8 @@ def create_app(
 
     app = FastAPI(title="loraplex engine", version="1", lifespan=lifespan)
     app.state.server = state
+    app.add_middleware(BodySizeLimit, max_bytes=limits.MAX_REQUEST_BODY_BYTES)
+    app.add_middleware(InternalTokenGate, token=settings.internal_token)  # added last: runs first
     _install_error_handlers(app)
     _add_probe_routes(app, state)
     _add_generation_routes(app, state)
@@ -409,6 +449,12 @@ def _install_error_handlers(app: FastAPI) -> None:
         assert isinstance(exc, RequestValidationError)
         errors = exc.errors()
         first = errors[0] if errors else {"msg": "invalid request", "loc": ()}
+        context = first.get("ctx")
+        cause = context.get("error") if isinstance(context, dict) else None
+        if isinstance(cause, limits.LimitExceeded):  # a cap of limits.py: its own sentence and field
+            return JSONResponse(
+                protocol.error_body(str(cause), "invalid_request_error", "limit_exceeded", cause.param), 400
+            )
         where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
         message = f"{where}: {first.get('msg')}" if where else str(first.get("msg"))
         return JSONResponse(protocol.error_body(message, "invalid_request_error", param=where or None), 400)
@@ -437,7 +483,8 @@ def _add_probe_routes(app: FastAPI, state: ServerState) -> None:
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
+    async def models(request: Request) -> dict[str, Any]:
+        state.caller(request)
         engine = state.serving()
         base = state.settings.model_name
 
@@ -470,7 +517,7 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
             ids = await asyncio.to_thread(tokenizer.encode, prompt)
         else:
             ids = prompt
-        params = state.params(body, len(ids), body.max_tokens, body.logprobs)
+        params = state.params(body, len(ids), body.max_tokens, body.logprobs, adapter)
         job = Job(False, body.model, adapter, ids, params, body.stream, body.include_usage, caller.tenant)
         return await _run(state, job, request)
 
@@ -489,7 +536,7 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
             raise
         except Exception as exc:  # the template refused the conversation, or the tokenizer did
             raise bad_request(f"messages: {exc}", "messages") from exc
-        params = state.params(body, len(ids), body.token_limit, body.logprobs_wanted)
+        params = state.params(body, len(ids), body.token_limit, body.logprobs_wanted, adapter)
         job = Job(True, body.model, adapter, ids, params, body.stream, body.include_usage, caller.tenant)
         return await _run(state, job, request)
 
@@ -571,3 +618,88 @@ def _add_adapter_routes(app: FastAPI, state: ServerState) -> None:
             raise OpenAIError(409, str(exc), "invalid_request_error", "adapter_in_use") from exc
         log.info("unregistered adapter %s", name)
         return {"name": name, "deleted": True}
+
+
+def sampling_temperature(requested: float | None) -> float:
+    """OpenAI's default is 1; a temperature too small to divide by safely means greedy."""
+    if requested is None:
+        return 1.0
+    return 0.0 if requested < limits.MIN_SAMPLING_TEMPERATURE else requested
+
+
+def token_matches(presented: str, token: SecretStr) -> bool:
+    """Constant time in the token: a guess learns nothing from how long the answer takes."""
+    return hmac.compare_digest(presented.encode(), token.get_secret_value().encode())
+
+
+class InternalTokenGate:
+    """With a token configured, /v1/ answers 401 to a request without it before its body is read or
+    parsed, so a stranger learns nothing of the API and costs the engine nothing."""
+
+    def __init__(self, app: ASGIApp, token: SecretStr | None):
+        self.app = app
+        self.token = token
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.token is None or scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+            await self.app(scope, receive, send)
+            return
+        presented = dict(scope["headers"]).get(INTERNAL_TOKEN_HEADER.lower().encode())
+        if presented is not None and token_matches(presented.decode("latin-1"), self.token):
+            await self.app(scope, receive, send)
+            return
+        missing = presented is None
+        body = protocol.error_body(
+            f"this engine serves only the gateway: send the {INTERNAL_TOKEN_HEADER} header"
+            if missing
+            else "the internal token is wrong",
+            "invalid_request_error",
+            "missing_internal_token" if missing else "invalid_internal_token",
+        )
+        await JSONResponse(body, 401)(scope, receive, send)
+
+
+class BodySizeLimit:
+    """Refuses a request body over `max_bytes` (413) before any of it is parsed: by its Content-Length
+    when it declares one, else while reading it, holding at most `max_bytes` in memory."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > self.max_bytes):
+            await self._refuse(scope, receive, send)
+            return
+        received: list[Message] = []
+        size = 0
+        while True:
+            message = await receive()
+            received.append(message)
+            if message["type"] != "http.request":
+                break
+            size += len(message.get("body", b""))
+            if size > self.max_bytes:
+                await self._refuse(scope, receive, send)
+                return
+            if not message.get("more_body", False):
+                break
+
+        async def replay() -> Message:
+            # The body as read, then the real channel (which reports the client hanging up).
+            return received.pop(0) if received else await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
+        body = protocol.error_body(
+            f"the request body is over {self.max_bytes} bytes, the most this server reads",
+            "invalid_request_error",
+            "request_too_large",
+            "body",
+        )
+        await JSONResponse(body, 413)(scope, receive, send)

@@ -6,16 +6,18 @@ the engine back to back; when idle it sleeps on an event that every post sets. O
 asyncio loop with `call_soon_threadsafe`, one hop per step for all requests touched, into per-request
 queues that the HTTP handlers read.
 
-Failure handling: a step that raises fails the requests it was running (their callers get a
-StepFailed, their pages are freed) and the loop carries on; several failures in a row make it
-not ready (until a step succeeds), and an error in the loop's own bookkeeping stops it for good
-(`dead`), so /ready and /health tell the truth.
+Failure handling: the engine keeps an adapter's faults to that adapter's requests (see engine.py), so
+a step that still raises is a failure no adapter explains: it fails the requests it was running (their
+callers get a StepFailed, their pages are freed) and the loop carries on; several such failures in a
+row make it not ready (until a step succeeds), and an error in the loop's own bookkeeping stops it for
+good (`dead`), so /ready and /health tell the truth. Adapter faults never count against readiness.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import queue
 import threading
@@ -58,8 +60,35 @@ class UnknownAdapter(LookupError):
     pass
 
 
-class AdapterUnavailable(AdapterError):
-    """The adapter is registered but its weights could not be loaded."""
+class AdapterFailed(AdapterError):
+    """The adapter is at fault (cannot be verified or loaded, or failed a step): refused with the reason."""
+
+
+class AdapterUnavailable(RuntimeError):
+    """The adapter's store could not be read: not the adapter's fault, worth a retry."""
+
+
+# OS errors that mean the store (a network filesystem, say) is not answering now, rather than that the
+# URI names nothing usable: the request may succeed later, or on another replica.
+_OUTAGE_ERRNOS = frozenset(
+    {
+        errno.EIO, errno.ETIMEDOUT, errno.ESTALE, errno.EAGAIN, errno.ENETDOWN, errno.ENETUNREACH,
+        errno.EHOSTUNREACH, errno.ECONNREFUSED, errno.ECONNRESET,
+    }
+)  # fmt: skip
+
+
+def is_store_outage(error: Exception) -> bool:
+    """The adapter store did not answer (as opposed to answering that the adapter is missing or bad)."""
+    if isinstance(error, ConnectionError | TimeoutError):
+        return True
+    if isinstance(error, OSError):
+        return error.errno in _OUTAGE_ERRNOS
+    return not isinstance(error, ValueError)  # AdapterError is a ValueError: a verdict on the adapter
+
+
+def store_unreadable(error: Exception) -> AdapterUnavailable:
+    return AdapterUnavailable(f"the adapter store could not be read: {type(error).__name__}: {error}")
 
 
 class AdapterFetchFailed(AdapterError):
@@ -111,9 +140,11 @@ class AsyncEngine:
         self.base_shape = engine.adapters.base
         self.max_model_len = engine.max_model_len
         self.tokenizer = engine.tokenizer
-        self.pool_tokens = (engine.pool.num_pages - 1) * engine.config.page_size  # less the zero page
+        self.page_size = engine.config.page_size
+        self.pool_tokens = (engine.pool.num_pages - 1) * self.page_size  # less the zero page
         # Read by the event loop, written by the loop thread: plain values swapped whole.
         self.adapters: dict[str, str] = {}  # registered name -> weights sha256
+        self.adapter_pages: dict[str, int] = {}  # registered name -> pool pages when resident
         self.failed_adapters: dict[str, str] = {}  # name -> why it cannot be loaded
         self.waiting = 0
         self.running = 0
@@ -228,14 +259,22 @@ class AsyncEngine:
 
     async def register_adapter(self, name: str, uri: str, sha256: str | None = None) -> AdapterManifest:
         """Fetch, hash and validate off the loop (disk reads and hashing take a while), then register.
-        AdapterFetchFailed: nothing usable at `uri`; AdapterError: what is there is refused."""
+        AdapterFetchFailed: nothing usable at `uri`; AdapterError: what is there is refused;
+        AdapterUnavailable: the store could not be read (not the adapter's fault)."""
         from loraplex.engine.lora.sources import DirectorySource
 
         try:
             directory = await asyncio.to_thread(fetch_local, uri)
-        except AdapterError as exc:
-            raise AdapterFetchFailed(str(exc)) from exc
-        source = await asyncio.to_thread(DirectorySource.open, directory, self.base_shape, sha256)
+        except Exception as exc:
+            if is_store_outage(exc):
+                raise store_unreadable(exc) from exc
+            raise AdapterFetchFailed(f"nothing usable at {uri[:200]}: {exc}") from exc
+        try:
+            source = await asyncio.to_thread(DirectorySource.open, directory, self.base_shape, sha256)
+        except Exception as exc:
+            if is_store_outage(exc):
+                raise store_unreadable(exc) from exc
+            raise
         return await self.call(lambda engine: engine.register_adapter(name, source))
 
     async def unregister_adapter(self, name: str) -> None:
@@ -334,7 +373,7 @@ class AsyncEngine:
             if adapter is not None and adapter not in engine.adapters.registered:
                 raise UnknownAdapter(adapter)
             if adapter is not None and adapter in engine.adapters.failed:
-                raise AdapterUnavailable(f"adapter cannot be served: {engine.adapters.failed[adapter]}")
+                raise AdapterFailed(f"adapter cannot be served: {engine.adapters.failed[adapter]}")
             engine.add_request(ids, params, request_id=stream.request_id, adapter=adapter)
         except Exception as exc:
             self._resolve(accepted, exc)
@@ -352,12 +391,21 @@ class AsyncEngine:
         self._ended(tracked, "abort")
 
     def _step(self) -> None:
+        from loraplex.engine.engine import StepError
+
         try:
             outputs = self.engine.step()
+        except StepError as exc:  # the outputs it made (an adapter's ended requests) still go out
+            self._deliver_outputs(exc.outputs)
+            self._step_failed(exc.cause)
+            return
         except Exception as exc:
             self._step_failed(exc)
             return
         self._consecutive_failures = 0
+        self._deliver_outputs(outputs)
+
+    def _deliver_outputs(self, outputs: list[RequestOutput]) -> None:
         now = time.monotonic()
         deliveries: list[tuple[RequestStream, RequestOutput | BaseException]] = []
         for output in outputs:
@@ -431,6 +479,7 @@ class AsyncEngine:
     def _refresh_adapters(self) -> None:
         residency = self.engine.adapters
         self.adapters = {name: entry.manifest.sha256 for name, entry in residency.registered.items()}
+        self.adapter_pages = {name: entry.pages for name, entry in residency.registered.items()}
         self.failed_adapters = dict(residency.failed)
 
     def _publish(self, force: bool = False) -> None:

@@ -18,7 +18,14 @@ from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from . import protocol
-from .async_engine import AsyncEngine, EngineUnavailable, RequestStream, StepFailed
+from .async_engine import (
+    AdapterFailed,
+    AdapterUnavailable,
+    AsyncEngine,
+    EngineUnavailable,
+    RequestStream,
+    StepFailed,
+)
 from .protocol import OpenAIError
 
 if TYPE_CHECKING:
@@ -47,8 +54,24 @@ class Job:
     tenant: str | None
 
 
+def adapter_failed(message: str) -> OpenAIError:
+    """The adapter is at fault (the wire contract: 422, code adapter_failed; the gateway marks it failed)."""
+    return OpenAIError(422, message, "invalid_request_error", "adapter_failed")
+
+
+def adapter_unavailable(message: str) -> OpenAIError:
+    """The adapter's store could not be read: not the adapter's fault (503, code adapter_unavailable)."""
+    return OpenAIError(
+        503, message, "server_error", "adapter_unavailable", headers={"Retry-After": str(RETRY_AFTER_S)}
+    )
+
+
 def failure(exc: BaseException) -> OpenAIError:
     """The error a client sees when its request failed inside the engine."""
+    if isinstance(exc, AdapterFailed):
+        return adapter_failed(str(exc))
+    if isinstance(exc, AdapterUnavailable):
+        return adapter_unavailable(str(exc))
     if isinstance(exc, StepFailed):
         return OpenAIError(500, str(exc), "server_error", "engine_error")
     if isinstance(exc, EngineUnavailable):
@@ -59,12 +82,16 @@ def failure(exc: BaseException) -> OpenAIError:
 
 
 def output_failure(output: RequestOutput, job: Job) -> OpenAIError | None:
-    """A request the engine finished with an error (e.g. its adapter's weights would not load)."""
+    """A request the engine finished with an error: its adapter at fault (it would not load or verify,
+    or failed a step on its own), its adapter's store unreachable, or the engine's own failure."""
     if output.finish_reason != "error":
         return None
     message = output.error or "the engine could not run this request"
-    if job.adapter is not None:
-        return OpenAIError(422, message, "invalid_request_error", "adapter_unavailable")
+    code = getattr(output, "error_code", None)  # engine.FailedOutput says whose fault it was
+    if code == "adapter_failed":
+        return adapter_failed(message)
+    if code == "adapter_unavailable":
+        return adapter_unavailable(message)
     return OpenAIError(500, message, "server_error", "engine_error")
 
 

@@ -14,7 +14,9 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from . import limits
 
 if TYPE_CHECKING:
     from loraplex.engine.request import TokenLogprob
@@ -52,6 +54,11 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return OpenAIError(400, message, "invalid_request_error", code, param)
 
 
+def is_sha256(value: str) -> bool:
+    """64 hex digits, checked without a regular expression a long header could slow down."""
+    return len(value) == 64 and all(c in "0123456789abcdefABCDEF" for c in value)
+
+
 # -- requests ---------------------------------------------------------------------------------------
 
 
@@ -65,7 +72,7 @@ class _GenerationRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str = Field(min_length=1, max_length=512)
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1, le=limits.MAX_COMPLETION_TOKENS)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=-1, description="0 or -1: no limit (an extension, as in vLLM)")
@@ -79,6 +86,27 @@ class _GenerationRequest(BaseModel):
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
 
+    # The caps of limits.py, checked on the raw JSON before pydantic converts (and so pays for) every
+    # element; a LimitExceeded reaches the client as a 400 naming the field (see app.py).
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _bounded_stop(cls, value: Any) -> Any:
+        limits.check_stop(value)
+        return value
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _bounded_logit_bias(cls, value: Any) -> Any:
+        if isinstance(value, dict):
+            limits.check_logit_bias(value)
+        return value
+
+    @field_validator("n")
+    @classmethod
+    def _bounded_choices(cls, value: int | None) -> int | None:
+        limits.check_choices(value)
+        return value
+
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
@@ -89,8 +117,6 @@ class _GenerationRequest(BaseModel):
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
     def refuse_unsupported(self) -> None:
-        if self.n not in (None, 1):
-            raise bad_request(f"n={self.n} is not supported: this server returns one choice (n=1)", "n")
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name):
                 raise bad_request(f"{name} is not supported by this server; leave it at 0", name)
@@ -106,6 +132,21 @@ class CompletionRequest(_GenerationRequest):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _bounded_prompt(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            limits.check_prompt_chars("prompt", len(value))
+        elif isinstance(value, list):
+            # One prompt per request is enforced later; here only what parsing would cost is bounded.
+            limits.check_prompt_tokens("prompt", len(value))
+            for item in value:
+                if isinstance(item, str):
+                    limits.check_prompt_chars("prompt", len(item))
+                elif isinstance(item, list):
+                    limits.check_prompt_tokens("prompt", len(item))
+        return value
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
@@ -135,9 +176,17 @@ class CompletionRequest(_GenerationRequest):
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
-    role: str = Field(min_length=1)
+    role: str = Field(min_length=1, max_length=64)
     content: str | list[dict[str, Any]] | None = None
-    name: str | None = None
+    name: str | None = Field(default=None, max_length=256)
+
+    @property
+    def content_chars(self) -> int:
+        if isinstance(self.content, str):
+            return len(self.content)
+        if isinstance(self.content, list):
+            return sum(len(p["text"]) for p in self.content if isinstance(p.get("text"), str))
+        return 0
 
     def for_template(self, index: int) -> dict[str, Any]:
         """The message as a chat template expects it: role and plain-text content."""
@@ -158,12 +207,24 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=limits.MAX_COMPLETION_TOKENS)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     tools: list[Any] | None = None
     functions: list[Any] | None = None
     response_format: dict[str, Any] | None = None
+
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _bounded_messages(cls, value: Any) -> Any:
+        if isinstance(value, list):
+            limits.check_chat_messages(len(value))
+        return value
+
+    @model_validator(mode="after")
+    def _bounded_conversation(self) -> ChatCompletionRequest:
+        limits.check_prompt_chars("messages", sum(m.content_chars for m in self.messages))
+        return self
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()

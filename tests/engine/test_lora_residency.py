@@ -59,10 +59,10 @@ def test_kv_takes_pages_from_unused_adapters(engine_and_adapters) -> None:  # ty
 
 
 def test_register_by_uri_checks_the_hash(engine_and_adapters) -> None:  # type: ignore[no-untyped-def]
-    from loraplex.adapters import sha256_of
+    from loraplex.adapters.digest import adapter_digest
 
     engine, dirs = engine_and_adapters
-    digest = sha256_of(dirs["a"] / "adapter_model.safetensors")
+    digest = adapter_digest(dirs["a"])
     manifest = engine.register_adapter("by-uri", dirs["a"].resolve().as_uri(), sha256=digest)
     assert manifest.sha256 == digest
     with pytest.raises(AdapterError, match="expected"):

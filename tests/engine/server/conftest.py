@@ -132,10 +132,10 @@ def running_server(
 @pytest.fixture
 def make_server(engine_factory: Callable[..., Callable[[], LLMEngine]]) -> Iterator[ServerFactory]:
     """make_server(settings overrides..., engine=dict(EngineConfig overrides)) -> a running Server,
-    stopped (and its pool freed) when the test ends."""
+    stopped (and its pool freed) when the test ends. Its internal token is TOKEN unless overridden."""
     with ExitStack() as stack:
         yield lambda engine=None, **settings: stack.enter_context(
-            running_server(engine_factory, engine, **settings)
+            running_server(engine_factory, engine, **{"internal_token": TOKEN, **settings})
         )
 
 

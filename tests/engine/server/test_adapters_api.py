@@ -17,7 +17,7 @@ from fastapi.testclient import TestClient
 from openai.types.chat import ChatCompletionMessageParam
 from safetensors.torch import load_file, save_file
 
-from loraplex.adapters import sha256_of
+from loraplex.adapters.digest import adapter_digest
 from loraplex.engine.server.app import create_app
 from loraplex.engine.server.settings import ServerSettings
 
@@ -25,12 +25,17 @@ from .conftest import BASE, DEMO_ADAPTER, INTERNAL, TOKEN, Server
 
 WEIGHTS = "adapter_model.safetensors"
 QUESTION: list[ChatCompletionMessageParam] = [{"role": "user", "content": "What is the capital of France?"}]
-DEMO_SHA = sha256_of(DEMO_ADAPTER / WEIGHTS)
+DEMO_SHA = adapter_digest(DEMO_ADAPTER)
 
 
 def chat(server: Server, model: str, headers: dict[str, str] | None = None, **extra: Any) -> httpx.Response:
     body = {"model": model, "messages": QUESTION, "max_tokens": 8, "temperature": 0, **extra}
-    return httpx.post(f"{server.url}/v1/chat/completions", json=body, headers=headers or {}, timeout=60)
+    return httpx.post(
+        f"{server.url}/v1/chat/completions",
+        json=body,
+        headers=INTERNAL if headers is None else headers,
+        timeout=60,
+    )
 
 
 def gateway_headers(adapter_id: str, uri: str, sha256: str, tenant: str) -> dict[str, str]:
@@ -94,7 +99,7 @@ def test_tenant_and_adapter_headers_need_the_token(server: Server) -> None:
     headers = gateway_headers(str(uuid.uuid4()), DEMO_ADAPTER.as_uri(), DEMO_SHA, "tenant-a")
     del headers["X-Loraplex-Internal-Token"]
     refused = chat(server, "my-adapter", headers)
-    assert refused.status_code == 401 and "X-Loraplex-Adapter-Id" in refused.json()["error"]["message"]
+    assert refused.status_code == 401 and refused.json()["error"]["code"] == "missing_internal_token"
     forged = chat(server, BASE, {"X-Loraplex-Tenant": "someone-else"})
     assert forged.status_code == 401
 
@@ -111,11 +116,16 @@ def test_register_use_and_unregister(server: Server) -> None:
     assert created.json() == {"name": "shouty", "sha256": DEMO_SHA, "registered": True}
     listed = httpx.get(url, headers=INTERNAL, timeout=10).json()["data"]
     assert {"name": "shouty", "sha256": DEMO_SHA} in [{k: a[k] for k in ("name", "sha256")} for a in listed]
-    assert "shouty" in [m["id"] for m in httpx.get(f"{server.url}/v1/models", timeout=10).json()["data"]]
+    assert "shouty" in [
+        m["id"] for m in httpx.get(f"{server.url}/v1/models", headers=INTERNAL, timeout=10).json()["data"]
+    ]
     assert content(chat(server, "shouty")).isupper()
 
     assert httpx.delete(f"{url}/shouty", headers=INTERNAL, timeout=10).status_code == 200
-    assert chat(server, "shouty").status_code == 404
+    models = httpx.get(f"{server.url}/v1/models", headers=INTERNAL, timeout=10).json()["data"]
+    assert "shouty" not in [m["id"] for m in models]
+    # The gateway resolves tenants' names; a name it sends that names no adapter is the base model.
+    assert not content(chat(server, "shouty")).isupper()
     gone = httpx.delete(f"{url}/shouty", headers=INTERNAL, timeout=10)
     assert gone.status_code == 404 and gone.json()["error"]["code"] == "adapter_not_found"
 
@@ -124,7 +134,9 @@ def test_an_adapter_in_use_cannot_be_unregistered(server: Server) -> None:
     url = f"{server.url}/internal/adapters"
     body = {"name": "busy", "uri": str(DEMO_ADAPTER)}
     assert httpx.post(url, json=body, headers=INTERNAL, timeout=30).status_code == 201
-    sdk = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+    sdk = openai.OpenAI(
+        base_url=f"{server.url}/v1", api_key="unused", default_headers=INTERNAL, max_retries=0, timeout=60
+    )
     stream = sdk.chat.completions.create(model="busy", messages=QUESTION, max_tokens=200, stream=True)
     next(iter(stream))  # the request is running now
     try:
@@ -163,7 +175,7 @@ def test_gateway_registers_adapters_lazily_by_id(server: Server, tmp_path: Path)
     upper_id, silent_id = str(uuid.uuid4()), str(uuid.uuid4())
     # Two tenants each call their adapter `helper`: the engine keys them by adapter id.
     as_a = gateway_headers(upper_id, DEMO_ADAPTER.as_uri(), DEMO_SHA, "tenant-a")
-    as_b = gateway_headers(silent_id, silent.as_uri(), sha256_of(silent / WEIGHTS), "tenant-b")
+    as_b = gateway_headers(silent_id, silent.as_uri(), adapter_digest(silent), "tenant-b")
     before = server.sample("loraplex_adapter_registrations_total", 'outcome="ok"')
 
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
@@ -183,9 +195,9 @@ def test_gateway_registers_adapters_lazily_by_id(server: Server, tmp_path: Path)
     assert f"id:{upper_id}" in names and f"id:{silent_id}" in names
     # Gateway adapters are not public models, and an untrusted caller cannot name them.
     assert f"id:{upper_id}" not in [
-        m["id"] for m in httpx.get(f"{server.url}/v1/models", timeout=10).json()["data"]
+        m["id"] for m in httpx.get(f"{server.url}/v1/models", headers=INTERNAL, timeout=10).json()["data"]
     ]
-    assert chat(server, f"id:{upper_id}").status_code == 404
+    assert chat(server, f"id:{upper_id}", {}).status_code == 401
     # Per-tenant token counters.
     assert server.sample("loraplex_tenant_generation_tokens_total", 'tenant="tenant-a"') > 0
     assert server.sample("loraplex_tenant_prompt_tokens_total", 'tenant="tenant-b"') > 0
@@ -196,12 +208,13 @@ def test_a_gateway_adapter_that_fails_answers_with_the_reason(server: Server, tm
     headers = gateway_headers(str(uuid.uuid4()), copy.as_uri(), "f" * 64, "tenant-c")
     mismatch = chat(server, "mine", headers)
     assert mismatch.status_code == 422 and "sha256" in mismatch.json()["error"]["message"]
+    assert mismatch.json()["error"]["code"] == "adapter_failed"  # the gateway marks the adapter failed
     missing = chat(server, "mine", {**headers, "X-Loraplex-Adapter-Uri": (tmp_path / "none").as_uri()})
-    assert missing.status_code == 400 and missing.json()["error"]["code"] == "adapter_fetch_failed"
+    assert missing.status_code == 422 and missing.json()["error"]["code"] == "adapter_failed"
 
     # Registered fine, then its weights are damaged before the first request reads them.
     adapter_id = str(uuid.uuid4())
-    good = gateway_headers(adapter_id, copy.as_uri(), sha256_of(copy / WEIGHTS), "tenant-c")
+    good = gateway_headers(adapter_id, copy.as_uri(), adapter_digest(copy), "tenant-c")
     response = httpx.post(
         f"{server.url}/internal/adapters",
         json={"name": f"id:{adapter_id}", "uri": copy.as_uri()},
@@ -212,7 +225,13 @@ def test_a_gateway_adapter_that_fails_answers_with_the_reason(server: Server, tm
     (copy / WEIGHTS).write_bytes(b"not safetensors any more")
     damaged = chat(server, "mine", good)
     assert damaged.status_code == 422, damaged.text
-    assert damaged.json()["error"]["code"] == "adapter_unavailable"
+    assert damaged.json()["error"]["code"] == "adapter_failed"
+    # Refused from then on with the reason, without reading the store again, until other weights come.
+    again = chat(server, "mine", good)
+    assert again.status_code == 422 and again.json()["error"]["code"] == "adapter_failed"
+    assert server.state.engine is not None
+    reason = server.state.engine.failed_adapters[f"id:{adapter_id}"]
+    assert reason in damaged.json()["error"]["message"] and reason in again.json()["error"]["message"]
     # The others are served all along.
     assert "Paris" in content(chat(server, BASE))
     assert content(chat(server, "uppercase")).isupper()

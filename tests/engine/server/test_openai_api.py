@@ -10,17 +10,21 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
-from .conftest import BASE, Server
+from .conftest import BASE, INTERNAL, Server, ServerFactory
 
 QUESTION: list[ChatCompletionMessageParam] = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 def client(server: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+    return openai.OpenAI(
+        base_url=f"{server.url}/v1", api_key="unused", default_headers=INTERNAL, max_retries=0, timeout=60
+    )
 
 
 def async_client(server: Server) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+    return openai.AsyncOpenAI(
+        base_url=f"{server.url}/v1", api_key="unused", default_headers=INTERNAL, max_retries=0, timeout=60
+    )
 
 
 def cased_ratio(text: str) -> float:
@@ -190,11 +194,18 @@ def test_token_id_prompts(server: Server) -> None:
     assert by_ids.choices[0].text == by_text.choices[0].text
 
 
-def test_openai_errors(server: Server) -> None:
-    sdk = client(server)
+def test_an_unknown_model_is_not_found_without_a_gateway(make_server: ServerFactory) -> None:
+    """`loraplex serve` alone (no internal token): a model it does not serve is a 404. Behind the
+    gateway (with the token) the gateway has resolved names already, so there is no such case."""
+    alone = make_server(internal_token=None)
+    sdk = openai.OpenAI(base_url=f"{alone.url}/v1", api_key="unused", max_retries=0, timeout=60)
     with pytest.raises(openai.NotFoundError) as missing:
         sdk.chat.completions.create(model="no-such-adapter", messages=QUESTION, max_tokens=4)
     assert missing.value.code == "model_not_found" and "no-such-adapter" in missing.value.message
+
+
+def test_openai_errors(server: Server) -> None:
+    sdk = client(server)
     with pytest.raises(openai.BadRequestError) as several:
         sdk.chat.completions.create(model=BASE, messages=QUESTION, max_tokens=4, n=2)
     assert "n=2" in several.value.message and several.value.param == "n"
@@ -217,7 +228,9 @@ def test_openai_errors(server: Server) -> None:
 
 
 def test_error_bodies_are_openai_shaped(server: Server) -> None:
-    response = httpx.post(f"{server.url}/v1/chat/completions", json={"model": BASE}, timeout=10)
+    response = httpx.post(
+        f"{server.url}/v1/chat/completions", json={"model": BASE}, headers=INTERNAL, timeout=10
+    )
     assert response.status_code == 400
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}

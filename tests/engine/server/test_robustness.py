@@ -17,7 +17,7 @@ from loraplex.engine.engine import LLMEngine
 from loraplex.engine.server.app import create_app
 from loraplex.engine.server.settings import ServerSettings
 
-from .conftest import BASE, Server, ServerFactory, serving
+from .conftest import BASE, INTERNAL, Server, ServerFactory, serving
 
 QUESTION: list[ChatCompletionMessageParam] = [
     {"role": "user", "content": "Tell me a long story about a lighthouse keeper."}
@@ -59,7 +59,13 @@ def test_32_streams_with_a_third_hanging_up(server: Server) -> None:
         return i, reason, used, "stayed"
 
     async def main() -> list[tuple[int, str | None, int | None, str]]:
-        sdk = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+        sdk = openai.AsyncOpenAI(
+            base_url=f"{server.url}/v1",
+            api_key="unused",
+            default_headers=INTERNAL,
+            max_retries=0,
+            timeout=120,
+        )
         try:
             return await asyncio.gather(*(one(sdk, i) for i in range(clients)))
         finally:
@@ -81,7 +87,7 @@ def test_a_whole_answer_abandoned_by_its_client_is_aborted(server: Server) -> No
     aborted_before = server.sample("loraplex_requests_finished_total", 'finish_reason="abort"')
     body = {"model": BASE, "messages": QUESTION, "max_tokens": 400, **NO_EOS}
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=1.5)
+        httpx.post(f"{server.url}/v1/chat/completions", json=body, headers=INTERNAL, timeout=1.5)
     server.wait_idle()
     assert server.sample("loraplex_requests_finished_total", 'finish_reason="abort"') == aborted_before + 1
     assert kv_pages(server) == 0
@@ -89,7 +95,9 @@ def test_a_whole_answer_abandoned_by_its_client_is_aborted(server: Server) -> No
 
 def test_a_full_queue_answers_429_with_retry_after(make_server: ServerFactory) -> None:
     small = make_server(engine={"max_num_seqs": 1}, max_queue=1)
-    sdk = openai.OpenAI(base_url=f"{small.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    sdk = openai.OpenAI(
+        base_url=f"{small.url}/v1", api_key="unused", default_headers=INTERNAL, max_retries=0, timeout=120
+    )
     running = sdk.chat.completions.create(
         model=BASE, messages=QUESTION, max_tokens=1000, stream=True, extra_body=NO_EOS
     )
@@ -135,7 +143,9 @@ def failing_step(engine: LLMEngine, after: int = 0) -> Callable[[], list[Any]]:
 
 
 def test_a_failing_step_fails_its_requests_and_serving_goes_on(server: Server) -> None:
-    sdk = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+    sdk = openai.OpenAI(
+        base_url=f"{server.url}/v1", api_key="unused", default_headers=INTERNAL, max_retries=0, timeout=60
+    )
     errors_before = server.sample("loraplex_engine_step_errors_total")
     server.engine.step = failing_step(server.engine)
     with pytest.raises(openai.InternalServerError) as failed:
@@ -170,13 +180,19 @@ def test_a_dead_loop_makes_ready_honest(make_server: ServerFactory) -> None:
     engine.abort = broken
     engine.step = failing_step(engine)
     answer = httpx.post(
-        f"{doomed.url}/v1/completions", json={"model": BASE, "prompt": "Hi", "max_tokens": 4}, timeout=30
+        f"{doomed.url}/v1/completions",
+        json={"model": BASE, "prompt": "Hi", "max_tokens": 4},
+        headers=INTERNAL,
+        timeout=30,
     )
     assert answer.status_code == 503 and "corrupt" in answer.json()["error"]["message"]
     ready = httpx.get(f"{doomed.url}/ready", timeout=10)
     assert ready.status_code == 503 and "engine loop stopped" in ready.json()["reason"]
     again = httpx.post(
-        f"{doomed.url}/v1/completions", json={"model": BASE, "prompt": "Hi", "max_tokens": 4}, timeout=30
+        f"{doomed.url}/v1/completions",
+        json={"model": BASE, "prompt": "Hi", "max_tokens": 4},
+        headers=INTERNAL,
+        timeout=30,
     )
     assert again.status_code == 503 and again.headers["retry-after"]
     # The loop will not come back: liveness fails too, so Kubernetes restarts the process.
@@ -194,13 +210,20 @@ def test_steps_failing_in_a_row_turn_ready_off_until_one_succeeds(server: Server
     engine.step = always_failing
     try:
         for _ in range(3):
-            assert httpx.post(f"{server.url}/v1/completions", json=body, timeout=30).status_code == 500
+            assert (
+                httpx.post(
+                    f"{server.url}/v1/completions", json=body, headers=INTERNAL, timeout=30
+                ).status_code
+                == 500
+            )
         not_ready = httpx.get(f"{server.url}/ready", timeout=10)
         assert not_ready.status_code == 503 and "3 engine steps failed" in not_ready.json()["reason"]
     finally:
         del engine.step  # the class's step again
     # Requests are still taken; one that runs clears the record.
-    assert httpx.post(f"{server.url}/v1/completions", json=body, timeout=30).status_code == 200
+    assert (
+        httpx.post(f"{server.url}/v1/completions", json=body, headers=INTERNAL, timeout=30).status_code == 200
+    )
     assert httpx.get(f"{server.url}/ready", timeout=10).status_code == 200
     assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
 
@@ -244,7 +267,9 @@ def test_probes_while_the_model_loads_and_when_it_fails(
 
 
 def test_metrics_names_and_histograms(server: Server) -> None:
-    sdk = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+    sdk = openai.OpenAI(
+        base_url=f"{server.url}/v1", api_key="unused", default_headers=INTERNAL, max_retries=0, timeout=60
+    )
     sdk.completions.create(model="uppercase", prompt="Hello", max_tokens=5, extra_body=NO_EOS)
     server.wait_idle()
     text = server.metrics()
