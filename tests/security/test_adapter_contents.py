@@ -21,7 +21,7 @@ from fastapi.testclient import TestClient
 
 from loraplex.adapters import AdapterError, LoraConfig, inspect_adapter, parse_config
 from loraplex.adapters.peft_config import MAX_PATTERNS
-from loraplex.adapters.safetensors_header import read_header
+from loraplex.adapters.safetensors_header import MAX_HEADER_BYTES, MAX_TENSORS, read_header
 from loraplex.adapters.shapes import MODULES, module_name
 from loraplex.adapters.weights import CHUNK_BYTES, check_finite
 from tests.web.conftest import (  # noqa: F401  (fixtures)
@@ -332,8 +332,16 @@ def test_header_longer_than_the_file_or_the_limit_is_refused(tmp_path: Path) -> 
     path.write_bytes((100).to_bytes(8, "little") + b"{}")
     with pytest.raises(AdapterError, match="header length 100 is impossible"):
         read_header(path)
-    path.write_bytes((32 << 20).to_bytes(8, "little") + b" " * (32 << 20))
-    with pytest.raises(AdapterError, match=f"header length {32 << 20} is impossible"):
+    path.write_bytes((MAX_HEADER_BYTES + 1).to_bytes(8, "little") + b" " * (MAX_HEADER_BYTES + 1))
+    with pytest.raises(AdapterError, match=f"header length {MAX_HEADER_BYTES + 1} is impossible"):
+        read_header(path)
+
+
+def test_too_many_tensors_are_refused(tmp_path: Path) -> None:
+    empty = {"dtype": "F32", "shape": [0], "data_offsets": [0, 0]}
+    path = tmp_path / WEIGHTS
+    path.write_bytes(safetensors_bytes({f"t{i}": empty for i in range(MAX_TENSORS + 1)}))
+    with pytest.raises(AdapterError, match=f"lists {MAX_TENSORS + 1} tensors; at most {MAX_TENSORS}"):
         read_header(path)
 
 
