@@ -123,16 +123,25 @@ class ApiServer:
             return payload
 
     def pod(
-        self, name: str, ip: str | None, ready: bool, labels: dict[str, str] = LABELS, **meta: Any
+        self,
+        name: str,
+        ip: str | None,
+        ready: bool,
+        labels: dict[str, str] = LABELS,
+        port: int | None = None,
+        **meta: Any,
     ) -> None:
         status: dict[str, Any] = {"conditions": [{"type": "Ready", "status": str(ready)}]}
         if ip:
             status["podIP"] = ip
+        ports = [{"name": "metrics", "containerPort": 9090}]
+        if port is not None:  # the operator names the engine's port "http"; without one it is 8000
+            ports.append({"name": "http", "containerPort": port})
         body = {
             "apiVersion": "v1",
             "kind": "Pod",
             "metadata": {"name": name, "labels": labels, **meta},
-            "spec": {"containers": [{"name": "engine", "image": "loraplex"}]},
+            "spec": {"containers": [{"name": "engine", "image": "loraplex", "ports": ports}]},
             "status": status,
         }
         self.run(self._request("POST", f"/api/v1/namespaces/{NS}/pods", body))
@@ -503,3 +512,45 @@ def test_admin_api_refuses_malformed_endpoints(client: TestClient, endpoint: str
     assert "endpoint" in error["msg"] or "kubernetes://" in error["msg"]
     patched = client.patch("/admin/v1/deployments/smol", json={"endpoints": [endpoint]}, headers=ADMIN)
     assert patched.status_code == 422
+
+
+def test_the_gateway_routes_to_discovered_pods_and_falls_over(apiserver: ApiServer, cp: TestClient) -> None:
+    from .conftest import Api, free_port
+    from .servers import StubEngine, serve
+
+    first, second = StubEngine("first"), StubEngine("second")
+    with serve(first.app()) as first_url, serve(second.app()) as second_url:
+        refused = free_port()  # a pod Kubernetes calls ready whose engine refuses connections
+        apiserver.pod("smol-0", "127.0.0.1", ready=True, port=int(first_url.rsplit(":", 1)[1]))
+        apiserver.pod("smol-1", "127.0.0.1", ready=True, port=refused)
+        apiserver.pod("smol-9", "127.0.0.1", ready=False, port=int(second_url.rsplit(":", 1)[1]))
+        api = Api(cp)
+        api.deployment("smol", "HuggingFaceTB/SmolLM2-135M-Instruct", [TARGET])
+        _, headers = api.tenant_with_key("acme")
+        router: Router = cp.app.state.router  # type: ignore[attr-defined]
+        settle(lambda: len(router.order(None, [TARGET])) == 2, "two ready pods")
+        body = {
+            "model": "HuggingFaceTB/SmolLM2-135M-Instruct",
+            "messages": [{"role": "user", "content": "hi"}],
+        }
+
+        def ask() -> Any:
+            return cp.post("/v1/chat/completions", json=body, headers=headers)
+
+        for _ in range(4):  # wherever the random pick starts, the refused pod falls over to the live one
+            answer = ask()
+            assert answer.status_code == 200, answer.text
+            assert answer.json()["served_by"] == "first"
+        assert second.received == []  # not ready: never asked
+
+        apiserver.set_ready("smol-9", True)
+        apiserver.delete("smol-0")
+        settle(lambda: f"http://127.0.0.1:{refused}" in router.order(None, [TARGET]), "smol-1 still there")
+        settle(lambda: second_url in router.order(None, [TARGET]), "smol-9 ready")
+        settle(lambda: first_url not in router.order(None, [TARGET]), "smol-0 gone")
+        assert ask().json()["served_by"] == "second"
+
+        apiserver.delete("smol-1")
+        apiserver.delete("smol-9")
+        settle(lambda: router.order(None, [TARGET]) == [], "no pods")
+        assert ask().status_code == 503

@@ -92,7 +92,7 @@ def replica_of(pod: dict[str, Any]) -> PodReplica:
     meta = pod.get("metadata") or {}
     status = pod.get("status") or {}
     ip = status.get("podIP")
-    endpoint = f"http://{_host(ip)}:{ENGINE_PORT}" if isinstance(ip, str) and ip else None
+    endpoint = f"http://{_host(ip)}:{_engine_port(pod)}" if isinstance(ip, str) and ip else None
     conditions = status.get("conditions") or []
     ready_condition = next((c for c in conditions if isinstance(c, dict) and c.get("type") == "Ready"), None)
     name = str(meta.get("name") or "?")
@@ -104,6 +104,17 @@ def replica_of(pod: dict[str, Any]) -> PodReplica:
     if endpoint is None:
         return PodReplica(name, None, False, "no pod IP yet")
     return PodReplica(name, endpoint, True, "ready")
+
+
+def _engine_port(pod: dict[str, Any]) -> int:
+    """The container port named "http" (what the operator declares, as its autoscaler reads), else 8000."""
+    for container in (pod.get("spec") or {}).get("containers") or []:
+        for port in (container.get("ports") or []) if isinstance(container, dict) else []:
+            if isinstance(port, dict) and port.get("name") == "http":
+                number = port.get("containerPort")
+                if isinstance(number, int) and 0 < number < 65536:
+                    return number
+    return ENGINE_PORT
 
 
 def _host(ip: str) -> str:
