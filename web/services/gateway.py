@@ -25,6 +25,8 @@ class Target:
 
     model: str
     base_model: str
+    # As the deployment stores them: engine URLs and kubernetes://<namespace>/<name> targets, which
+    # Router.order turns into the ready pods discovery sees at that moment (web/services/discovery.py).
     endpoints: list[str]
     adapter_id: uuid.UUID | None = None
     adapter_uri: str | None = None
