@@ -23,6 +23,7 @@ from loraplex.web.services.routing import rendezvous_order
 
 from ..security.engine_stub import Engine
 from .conftest import ADMIN, SHAPE, Api, free_port, loose, upload
+from .console_client import make_user, sign_in
 from .servers import StubEngine, serve
 
 pytestmark = pytest.mark.timeout(60)
@@ -398,6 +399,11 @@ def test_adapter_failed_marks_the_adapter_failed_and_is_a_422(failing: Failing) 
         again = client.post("/v1/chat/completions", json=chat())
         assert again.status_code == 404
     assert len(failing.engine.received) == 1
+    # The tenant's console shows why.
+    make_user(failing.admin.app, "ada@acme.test", tenant="acme")  # type: ignore[arg-type]
+    assert sign_in(failing.admin, "ada@acme.test").status_code == 303
+    page = failing.admin.get("/console/adapters")
+    assert page.status_code == 200 and REASON in page.text
 
 
 def test_adapter_failed_mid_stream_is_an_sse_error_and_marks_the_adapter(failing: Failing) -> None:
