@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import os
 import struct
 import tarfile
 import tempfile
@@ -23,6 +24,8 @@ from typing import Any
 import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from loraplex.web.services.errors import Invalid, TooLarge
 from loraplex.web.services.multipart import FORM_OVERHEAD_BYTES
@@ -539,3 +542,47 @@ def test_a_good_upload_through_the_api_is_stored(platform: tuple[FastAPI, Api], 
     )
     assert response.status_code == 201, response.text
     assert json.loads(response.text)["status"] == "ready"
+
+
+@st.composite
+def mangled_forms(draw: st.DrawFn) -> bytes:
+    """A form body with byte-level damage: boundaries, headers, names and lengths are all fair game."""
+    files = [
+        ("adapter_config.json", CONFIG),
+        (draw(st.sampled_from(["a.zip", "a.tgz", "x.json"])), b"PK\x03\x04"),
+    ]
+    raw = bytearray(form_body({"name": "a1", "deployment": "tiny"}, files))
+    for _ in range(draw(st.integers(1, 5))):
+        at = draw(st.integers(0, max(0, len(raw) - 1)))
+        kind = draw(st.sampled_from(["overwrite", "insert", "delete"]))
+        chunk = draw(
+            st.binary(min_size=1, max_size=24) | st.sampled_from([b"\r\n", b'"', b";", b"--", b"\r\n\r\n"])
+        )
+        if kind == "overwrite":
+            raw[at : at + len(chunk)] = chunk
+        elif kind == "insert":
+            raw[at:at] = chunk
+        else:
+            del raw[at : at + len(chunk)]
+    return bytes(raw)
+
+
+def test_mangled_multipart_bodies_never_cause_a_server_error(
+    platform: tuple[FastAPI, Api], spool: Path
+) -> None:
+    app, api = platform
+    _, key = api.tenant_with_key("acme")
+
+    @given(body=mangled_forms())
+    @settings(
+        max_examples=int(os.environ.get("LORAPLEX_FUZZ_EXAMPLES", "60")),
+        deadline=None,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+    )
+    def check(body: bytes) -> None:
+        status, response = call(app, "/api/v1/adapters", {**MULTIPART, **key}, CountingBody(body), len(body))
+        assert 400 <= status < 500, response  # the damaged adapter is never valid either
+        assert list(spool.iterdir()) == []
+
+    check()
