@@ -16,6 +16,8 @@ import httpx
 import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from sqlalchemy import select
 
 from loraplex.web.db.models import UsageRecord
@@ -282,3 +284,34 @@ def test_an_unlimited_tenant_writes_nothing() -> None:
     ledger = quotas.Ledger(uuid.uuid4(), False, 100, 10, 100)
     ledger.produce(50, 100 * 60)
     assert ledger.pending(102 * 60, final=True) == {}
+
+
+@given(
+    prompt=st.integers(0, 500),
+    limit=st.integers(1, 500),
+    steps=st.lists(st.tuples(st.integers(0, 50), st.integers(0, 90)), max_size=30),
+    exact=st.one_of(st.none(), st.tuples(st.integers(0, 600), st.integers(0, 600))),
+)
+@settings(max_examples=200, deadline=None)
+def test_ledger_always_settles_to_exactly_what_was_used(
+    prompt: int, limit: int, steps: list[tuple[int, int]], exact: tuple[int, int] | None
+) -> None:
+    """Whatever the engine produces and however the clock moves, what the rows hold while a request runs
+    covers everything it may still use, and after it ends is exactly what it used, minute by minute."""
+    ledger = quotas.Ledger(uuid.uuid4(), True, 100, prompt, limit)
+    ledger.commit({100: prompt + limit})
+    now = 100 * 60.0
+    for tokens, seconds in steps:
+        now += seconds
+        ledger.produce(min(tokens, limit - sum(ledger.produced.values())), now)
+        ledger.commit(ledger.pending(now))
+        held = sum(ledger.charged.values())
+        assert held == prompt + limit  # produced plus what may still come: the reservation, moved
+        assert ledger.charged[quotas.minute_of(now)] >= limit - sum(ledger.produced.values())
+    if exact is not None:
+        ledger.settle_exact(*exact, now)
+    ledger.commit(ledger.pending(now, final=True))
+    used_prompt, used_completion = exact if exact is not None else (prompt, sum(ledger.produced.values()))
+    assert sum(ledger.charged.values()) == used_prompt + used_completion
+    assert all(n >= 0 for n in ledger.produced.values())
+    assert ledger.charged[100] >= used_prompt
