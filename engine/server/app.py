@@ -45,6 +45,7 @@ from .async_engine import (
     QueueFull,
     RequestStream,
     UnknownAdapter,
+    is_store_outage,
 )
 from .delivery import (
     RETRY_AFTER_S,
@@ -120,8 +121,12 @@ class ServerState:
             directory = await asyncio.to_thread(
                 self._fetcher.fetch, self.settings.resolve_adapter_uri(uri), sha256
             )
-        except (StoreUnavailable, OSError) as exc:  # not the adapter's fault: the store or the cache disk
+        except StoreUnavailable as exc:  # not the adapter's fault
             raise AdapterUnavailable(f"the adapter store could not be read: {exc}") from exc
+        except OSError as exc:  # the store or the cache disk failing, or a URI no file can have
+            if is_store_outage(exc):
+                raise AdapterUnavailable(f"the adapter store could not be read: {exc}") from exc
+            raise AdapterFetchFailed(f"nothing usable at {uri[:200]}: {exc.strerror}") from exc
         except DigestMismatch:
             raise
         except AdapterError as exc:

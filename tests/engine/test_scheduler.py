@@ -116,3 +116,62 @@ def test_max_num_seqs_caps_the_running_batch() -> None:
     scheduler = Scheduler(pool, page_size=4, max_num_seqs=2, max_batch_tokens=64)
     stats = run_to_completion(scheduler, [make_request(i, 3, 5) for i in range(5)])
     assert stats["max_batch"] == 2
+
+
+class CountingAdapters:
+    """Adapter residency as the scheduler sees it: each adapter takes `pages` pool pages when loaded."""
+
+    def __init__(self, pool: PagePool, pages: int):
+        self.pool, self.pages = pool, pages
+        self.held: dict[str, list[int]] = {}
+        self.references: dict[str, int] = {}
+        self.loads = 0
+
+    def pages_needed(self, name: str) -> int:
+        return 0 if name in self.held else self.pages
+
+    def acquire(self, name: str) -> bool:
+        if name not in self.held:
+            if not self.pool.can_allocate(self.pages):
+                return False
+            self.held[name] = self.pool.allocate(self.pages, ("adapter", name))
+            self.loads += 1
+        self.references[name] = self.references.get(name, 0) + 1
+        return True
+
+    def release(self, name: str) -> None:
+        self.references[name] -= 1
+
+    def evict_unused(self, pages_wanted: int) -> int:
+        freed = 0
+        for name in [n for n, refs in self.references.items() if refs == 0]:
+            if self.pool.num_free >= pages_wanted:
+                break
+            self.pool.free(self.held.pop(name), ("adapter", name))
+            del self.references[name]
+            freed += self.pages
+        return freed
+
+    def evictable_pages(self) -> int:
+        return sum(len(self.held[n]) for n, refs in self.references.items() if refs == 0)
+
+
+def test_a_request_waits_until_its_adapter_and_its_chunk_fit_together() -> None:
+    """Admission counts the adapter's pages: with room for the adapter but not for it and the prompt's
+    pages, the request waits, and its adapter is not loaded (only to be evicted again at once)."""
+    pool = PagePool(12)
+    adapters = CountingAdapters(pool, pages=4)
+    scheduler = Scheduler(pool, page_size=4, max_num_seqs=4, max_batch_tokens=64, adapters=adapters)
+    hog = make_request(0, prompt_len=24, max_tokens=4)  # 6 pages of 12: 6 left
+    scheduler.add(hog)
+    assert [c.request for c in scheduler.schedule().chunks] == [hog]
+    hog.num_computed_tokens, hog.output_token_ids = 24, [7]  # prefilled; its first decode takes a page
+    tenant = make_request(1, prompt_len=12, max_tokens=2)  # 3 pages + 4 for its adapter: 7 > 5 free
+    tenant.adapter = "a"
+    scheduler.add(tenant)
+    out = scheduler.schedule()
+    assert [c.request for c in out.chunks] == [hog] and list(scheduler.waiting) == [tenant]
+    assert adapters.loads == 0 and pool.num_free == 5
+    scheduler.finish(hog, "length")
+    out = scheduler.schedule()
+    assert [c.request for c in out.chunks] == [tenant] and adapters.loads == 1

@@ -155,6 +155,11 @@ def test_registration_failures_say_why_and_serving_goes_on(server: Server, tmp_p
     )
     assert nowhere.status_code == 400 and nowhere.json()["error"]["code"] == "adapter_fetch_failed"
     assert "adapter_model.safetensors" in nowhere.json()["error"]["message"]
+    # A path no filesystem can hold is the caller's mistake, not a store outage (was a 503).
+    unnameable = httpx.post(
+        url, json={"name": "a", "uri": str(tmp_path / ("x" * 300))}, headers=INTERNAL, timeout=10
+    )
+    assert unnameable.status_code == 400 and unnameable.json()["error"]["code"] == "adapter_fetch_failed"
 
     wrong_hash = httpx.post(
         url, json={"name": "a", "uri": str(DEMO_ADAPTER), "sha256": "0" * 64}, headers=INTERNAL, timeout=10
