@@ -27,7 +27,7 @@ from .errors import AdapterError
 from .store import StoreUnavailable
 
 if TYPE_CHECKING:
-    from mypy_boto3_s3 import S3Client  # type: ignore[import-not-found]
+    from mypy_boto3_s3 import S3Client
 else:
     S3Client = Any
 

@@ -141,6 +141,22 @@ def test_an_artifact_is_deleted_with_its_last_adapter(platform: Platform, peft_d
     assert platform.objects() == [digest]
 
 
+def test_deleting_a_tenant_gives_back_its_artifact_references(
+    platform: Platform, peft_dir: Path, db_url: str, app_factory
+) -> None:
+    files = loose(peft_dir)
+    digest = upload(platform.client, platform.a.headers, files, name="x").json()["sha256"]
+    assert upload(platform.client, platform.b.headers, files, name="y").status_code == 201
+    assert platform.client.delete(f"/admin/v1/tenants/{platform.a.id}", headers=ADMIN).status_code == 204
+    assert [(a.digest, a.refcount) for a in platform.rows(Artifact)] == [(digest, 1)]  # B still uses it
+    assert platform.client.delete(f"/admin/v1/tenants/{platform.b.id}", headers=ADMIN).status_code == 204
+    assert [(a.digest, a.refcount) for a in platform.rows(Artifact)] == [(digest, 0)]
+    assert platform.objects() == [digest]  # deleted by the next sweep, here the one at start-up
+    with TestClient(app_factory(db_url)):
+        pass
+    assert platform.objects() == [] and platform.rows(Artifact) == []
+
+
 def test_storage_quota_counts_the_tenants_bytes(platform: Platform, peft_dir: Path) -> None:
     files = loose(peft_dir)
     size = total_bytes(files)
@@ -155,8 +171,9 @@ def test_storage_quota_counts_the_tenants_bytes(platform: Platform, peft_dir: Pa
     # The same adapter again is stored once, but counted again: a tenant's quota never depends on
     # what other tenants happen to have uploaded.
     refused = upload(platform.client, platform.a.headers, files, name="two")
-    assert refused.status_code == 403
-    assert "max_storage_bytes" in refused.json()["detail"]
+    # Refused before the body is read (413: more than the storage left), or when the bytes are claimed
+    # (403 naming max_storage_bytes) by an upload that raced past that early check.
+    assert refused.status_code in (403, 413), refused.text
     assert platform.storage(platform.a)["bytes"] == size and platform.storage(platform.a)["adapters"] == 1
     assert upload(platform.client, platform.b.headers, files, name="two").status_code == 201  # B's own quota
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Select, delete, select, update
+from sqlalchemy import Select, delete, func, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, selectinload
@@ -242,6 +242,29 @@ def _release(session: Session, adapter_id: uuid.UUID) -> _Released | None:
     return _Released(digest)
 
 
+def release_tenant(session: Session, tenant_id: uuid.UUID) -> None:
+    """Give back the artifact references of every adapter of a tenant about to be deleted; the caller
+    deletes the tenant (its adapter rows and counters cascade) and commits."""
+    # Lock the tenant's adapter rows first (the order every writer here follows: adapter, then artifact).
+    session.execute(
+        update(Adapter)
+        .where(Adapter.tenant_id == tenant_id)
+        .values(name=Adapter.name)
+        .execution_options(synchronize_session=False)
+    )
+    held = session.execute(
+        select(Adapter.sha256, func.count())
+        .where(Adapter.tenant_id == tenant_id, Adapter.sha256.is_not(None))
+        .group_by(Adapter.sha256)
+    ).all()
+    for digest, count in held:
+        session.execute(
+            update(Artifact)
+            .where(Artifact.digest == digest, Artifact.refcount >= count)
+            .values(refcount=Artifact.refcount - count)
+        )
+
+
 def sweep_artifacts(session: Session, store: ArtifactStore, digests: Iterable[str] | None = None) -> int:
     """Delete unreferenced artifacts from the store, then their rows; how many were deleted. A store
     failure leaves the row (refcount 0) for the next sweep: nothing is lost, nothing leaks."""
@@ -290,7 +313,7 @@ def storage_usage(session: Session, tenant_id: uuid.UUID) -> StorageUsagePublic:
     )
 
 
-def _query(tenant_id: uuid.UUID) -> Select[tuple[Adapter]]:
+def _query(tenant_id: uuid.UUID) -> Select[Adapter]:
     return select(Adapter).where(Adapter.tenant_id == tenant_id).options(selectinload(Adapter.deployment))
 
 
@@ -320,8 +343,10 @@ def delete_adapter(
     released = _release(session, adapter_id) if adapter_id is not None else None
     if released is None:
         raise NotFound(f"no adapter named {name!r}")
-    if store is not None and released.digest is not None:
-        sweep_artifacts(session, store, [released.digest])
+    if store is not None:
+        if released.digest is not None:
+            sweep_artifacts(session, store, [released.digest])
+        sweep_artifacts(session, store)  # and what earlier failures or deleted tenants left
 
 
 def _insert(session: Session, table: type[Any]) -> Any:

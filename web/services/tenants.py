@@ -62,7 +62,11 @@ def update_tenant(session: Session, tenant_id: uuid.UUID, update: TenantUpdate) 
 
 
 def delete_tenant(session: Session, tenant_id: uuid.UUID) -> None:
-    """Deletes the tenant with its keys, adapters, quota and usage (the database cascades)."""
+    """Deletes the tenant with its keys, adapters, quota and usage (the database cascades); its adapters'
+    artifact references are given back in the same transaction (the objects go with the next sweep)."""
+    from .adapters import release_tenant  # that module needs this one's quota_of
+
+    release_tenant(session, tenant_id)
     result = session.execute(delete(Tenant).where(Tenant.id == tenant_id))
     session.commit()
     if result.rowcount == 0:  # type: ignore[attr-defined]
