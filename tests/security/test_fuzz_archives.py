@@ -56,9 +56,9 @@ CONTENT = st.binary(max_size=2048) | st.builds(bytes, st.integers(0, 2 * LIMIT))
 MEMBERS = st.lists(st.tuples(NAMES, CONTENT), min_size=0, max_size=5)
 
 
-def build_tar(members: list[tuple[str, bytes]], compression: str, form: int) -> bytes:
+def build_tar(members: list[tuple[str, bytes]], gzipped: bool, form: int) -> bytes:
     buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode=f"w:{compression}", format=form) as archive:
+    with tarfile.open(fileobj=buffer, mode="w:gz" if gzipped else "w", format=form) as archive:
         for name, content in members:
             info = tarfile.TarInfo(name)
             if name.endswith("/"):
@@ -88,8 +88,8 @@ def archives(draw: st.DrawFn) -> tuple[str, bytes]:
     form = draw(st.sampled_from([tarfile.USTAR_FORMAT, tarfile.GNU_FORMAT, tarfile.PAX_FORMAT]))
     if form == tarfile.USTAR_FORMAT and any(len(name) > 100 for name, _ in members):
         form = tarfile.GNU_FORMAT  # ustar cannot hold the long name; GNU writes a long-name header
-    compression = "gz" if kind == "tar.gz" else ""
-    return draw(st.sampled_from(["upload.tar.gz", "upload.tgz"])), build_tar(members, compression, form)
+    filename = draw(st.sampled_from(["upload.tar.gz", "upload.tgz"]))
+    return filename, build_tar(members, gzipped=kind == "tar.gz", form=form)
 
 
 @st.composite

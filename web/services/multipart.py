@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Callable, Collection
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, TYPE_CHECKING
 
 from python_multipart.exceptions import FormParserError
 from python_multipart.multipart import MultipartParser, parse_options_header
@@ -24,6 +24,9 @@ from starlette.requests import Request
 
 from .errors import Invalid, ServiceError, TooLarge
 from .uploads import LIMITS, UploadedFile
+
+if TYPE_CHECKING:
+    from python_multipart.multipart import MultipartCallbacks
 
 # Bytes a body may carry beyond its files: boundaries, part headers, the text fields.
 FORM_OVERHEAD_BYTES = 64 * 1024
@@ -142,7 +145,7 @@ class _FormParse:
     _field: str | None = None  # the text field being read, or None for a file part
     _data: bytearray = field(default_factory=bytearray)
 
-    def callbacks(self) -> dict[str, Callable[..., None]]:
+    def callbacks(self) -> MultipartCallbacks:
         return {
             "on_part_begin": self.on_part_begin,
             "on_header_field": self.on_header_field,

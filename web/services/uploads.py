@@ -256,7 +256,7 @@ def _bounded_tarinfo(limits: ArchiveLimits) -> type[tarfile.TarInfo]:
 class _CappedReader:
     """Reads at most `cap` bytes from `source`, then refuses: tarfile skips and reads through this."""
 
-    def __init__(self, source: IO[bytes], cap: int, limit: int):
+    def __init__(self, source: IO[bytes] | gzip.GzipFile, cap: int, limit: int):
         self.source = source
         self.cap = cap
         self.limit = limit
@@ -276,7 +276,7 @@ def _untar(stream: IO[bytes], target: Path, budget: ByteBudget, limits: ArchiveL
     magic = stream.read(2)
     stream.seek(0)
     # GzipFile.read(n) decompresses at most n bytes per call, unlike tarfile's own "r|gz" stream.
-    source: IO[bytes] = gzip.GzipFile(fileobj=stream, mode="rb") if magic == b"\x1f\x8b" else stream
+    source = gzip.GzipFile(fileobj=stream, mode="rb") if magic == b"\x1f\x8b" else stream
     reader = _CappedReader(source, budget.limit + limits.tar_overhead(), budget.limit)
     staged: list[tuple[str, Path]] = []  # names are flattened once every member is known
     try:
