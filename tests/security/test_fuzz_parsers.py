@@ -15,7 +15,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from hypothesis import HealthCheck, given, settings
+import pytest
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from loraplex.adapters import AdapterError, LoraConfig, inspect_adapter
@@ -78,11 +79,40 @@ config_fields = {
     "use_rslora": st.booleans() | json_values,
     "bias": st.sampled_from(["none", "all"]) | json_values,
 }
-configs = st.fixed_dictionaries({}, optional=config_fields).flatmap(
-    lambda fields: st.dictionaries(st.text(max_size=10), json_values, max_size=3).map(
-        lambda extra: extra | fields
-    )
+projections = st.sampled_from(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+valid_fields = {
+    "r": st.integers(1, 16),
+    "lora_alpha": st.integers(1, 64) | st.floats(0.01, 100),
+    "target_modules": st.lists(projections, min_size=1, max_size=4) | regex_text,
+    "exclude_modules": st.none() | st.lists(projections, max_size=2) | regex_text,
+    "layers_to_transform": st.none() | st.lists(st.integers(0, 3), max_size=3),
+    "rank_pattern": st.dictionaries(regex_text | projections, st.integers(1, 16), max_size=3),
+    "alpha_pattern": st.dictionaries(regex_text | projections, st.floats(0.1, 64), max_size=3),
+    "use_rslora": st.booleans(),
+}
+# A plausible config with up to two fields made hostile and a few unknown keys: valid configs are reached
+# (so matching and scales are exercised), and so is every field's refusal.
+hostile_field = st.sampled_from(list(config_fields)).flatmap(
+    lambda key: config_fields[key].map(lambda v: (key, v))
 )
+configs = st.builds(
+    lambda base, hostile, extra: extra | base | dict(hostile),
+    st.fixed_dictionaries({}, optional=valid_fields),
+    st.lists(hostile_field, max_size=2),
+    st.dictionaries(st.text(max_size=10), json_values, max_size=2),
+)
+
+
+def parse_and_exercise(data: bytes) -> None:
+    """parse_config_bytes, then every question asked of a config; the outcome is counted (hypothesis
+    statistics), so a run shows that valid configs are reached, not only refusals."""
+    try:
+        config = parse_config_bytes(data)
+    except AdapterError:
+        event("refused")
+        return
+    event("accepted")
+    exercise(config)
 
 
 def exercise(config: LoraConfig) -> None:
@@ -96,15 +126,13 @@ def exercise(config: LoraConfig) -> None:
 @FUZZ
 @given(data=st.binary(max_size=2048))
 def test_any_bytes_as_a_config(data: bytes) -> None:
-    with contextlib.suppress(AdapterError):
-        exercise(parse_config_bytes(data))
+    parse_and_exercise(data)
 
 
 @FUZZ
 @given(config=configs)
 def test_any_json_config(config: dict[str, Any]) -> None:
-    with contextlib.suppress(AdapterError):
-        exercise(parse_config_bytes(json.dumps(config).encode()))
+    parse_and_exercise(json.dumps(config).encode())
 
 
 # Tokens Python's json accepts but a config must not hold, spliced anywhere.
@@ -115,8 +143,7 @@ NASTY = [b"NaN", b"-Infinity", b"1e999", b"9" * 5000, b"[" * 3000, b'"\\ud800"',
 @given(config=configs, cut=st.integers(0, 400), junk=st.binary(max_size=8) | st.sampled_from(NASTY))
 def test_damaged_json_config(config: dict[str, Any], cut: int, junk: bytes) -> None:
     text = json.dumps(config).encode()
-    with contextlib.suppress(AdapterError):
-        exercise(parse_config_bytes(text[:cut] + junk + text[cut:]))
+    parse_and_exercise(text[:cut] + junk + text[cut:])
 
 
 NASTY_VALUES = ["NaN", "-Infinity", "1e999", "9" * 5000, "[" * 3000 + "]" * 3000, '"\\ud800"', '"a\\u0000"']
@@ -133,8 +160,8 @@ def test_nasty_values_in_any_field(config: dict[str, Any], field: str, token: st
     marker = "@@nasty@@"
     value: Any = {"q_proj": marker} if nested else marker
     text = json.dumps({**config, field: value}).replace(f'"{marker}"', token)
-    with contextlib.suppress(AdapterError):
-        exercise(parse_config_bytes(text.encode()))
+    with pytest.raises(AdapterError):  # whichever field holds it, and whatever else is wrong
+        parse_config_bytes(text.encode())
 
 
 def check_header(path: Path) -> None:
@@ -142,7 +169,9 @@ def check_header(path: Path) -> None:
     try:
         tensors = read_header(path)
     except AdapterError:
+        event("refused")
         return
+    event("accepted")
     size = path.stat().st_size
     position = 8 + struct.unpack("<Q", path.read_bytes()[:8])[0]
     for info in tensors.values():
@@ -206,5 +235,7 @@ def test_damaged_valid_adapter(tmp_path: Path, edits: list[tuple[int, int, bytes
     try:
         manifest = inspect_adapter(directory, TINY_SHAPE)
     except AdapterError:
+        event("refused")
         return
+    event("accepted")
     assert len(manifest.modules) == 4
