@@ -28,7 +28,7 @@ MAX_ALPHA = 1e6
 MAX_LAYER = 100_000
 _RE2_OPTIONS = re2.Options()
 _RE2_OPTIONS.log_errors = False  # a tenant's bad pattern is an AdapterError, not a line on stderr
-_RE2_OPTIONS.max_mem = 8 << 20  # bounds the compiled program, hence compile time and memory
+_RE2_OPTIONS.max_mem = 1 << 20  # bounds each compiled program and its match cache: time and memory
 
 # Leaf module names ("q_proj") to our short names ("q").
 _SHORT_NAMES = {path.rsplit(".", 1)[1]: short for short, path in MODULE_PATHS.items()}
@@ -106,7 +106,7 @@ def _suffix_pattern(key: str) -> str:
     return rf"(.*\.)?({key})$"
 
 
-@functools.lru_cache(maxsize=1024)
+@functools.lru_cache(maxsize=256)  # at most 256 MiB even if every entry used all of max_mem
 def compile_pattern(pattern: str) -> re2._Regexp:
     """A tenant's regex compiled by RE2: matching time is linear in the name, whatever the pattern.
 
