@@ -60,7 +60,11 @@ class RequestTooLarge(ValueError):
 
 
 class NonFiniteLogits(RuntimeError):
-    """A step produced NaN or infinite logits for some of its requests."""
+    """A step produced NaN or infinite logits for some of its requests (`request_ids`)."""
+
+    def __init__(self, request_ids: list[str]):
+        super().__init__(f"the logits of {', '.join(request_ids[:8])} are not finite")
+        self.request_ids = frozenset(request_ids)
 
 
 class StepError(RuntimeError):
@@ -268,32 +272,59 @@ class LLMEngine:
         finite = torch.isfinite(logits).all(dim=-1)  # [S]
         if not bool(finite.all()):
             sampled = [c.request.request_id for c in chunks if c.samples]
-            bad = [sampled[i] for i in (~finite).nonzero().flatten().tolist()]
-            raise NonFiniteLogits(f"the logits of {', '.join(bad)} are not finite")
+            raise NonFiniteLogits([sampled[i] for i in (~finite).nonzero().flatten().tolist()])
         return logits
 
     def _isolate_fault(
         self, chunks: list[ScheduledChunk], error: Exception, outputs: list[RequestOutput]
     ) -> tuple[list[ScheduledChunk], torch.Tensor | None]:
         """After a failed forward: retry once; then end the requests of the adapters that fail on their
-        own (appending their outputs) and run the rest. Returns the chunks that ran and their logits."""
+        own (appending their outputs) and run the rest. Non-finite logits no adapter explains end only
+        the requests they belong to (rows do not mix). Returns the chunks that ran and their logits."""
         log.warning("a step failed (%s: %s); running it again", type(error).__name__, error)
         try:
             return chunks, self._forward(chunks)
         except Exception as again:
             error = again
         guilty = self._guilty_adapters(chunks)
-        if not guilty:
+        if not guilty and not isinstance(error, NonFiniteLogits):
             raise StepError(error, outputs) from error
         for name, reason in guilty.items():
             outputs.extend(self._fail_adapter(name, reason))
         rest = [c for c in chunks if c.request.adapter not in guilty]
-        if not rest:
-            return [], None
+        if not guilty:
+            assert isinstance(error, NonFiniteLogits)
+            rest = self._fail_rows(rest, error, outputs)
         try:
-            return rest, self._forward(rest)
+            return rest, self._forward(rest) if rest else None
+        except NonFiniteLogits as bad:
+            rest = self._fail_rows(rest, bad, outputs)
         except Exception as still:
             raise StepError(still, outputs) from still
+        try:
+            return rest, self._forward(rest) if rest else None
+        except Exception as still:
+            raise StepError(still, outputs) from still
+
+    def _fail_rows(
+        self, chunks: list[ScheduledChunk], bad: NonFiniteLogits, outputs: list[RequestOutput]
+    ) -> list[ScheduledChunk]:
+        """End the requests whose logits were not finite (engine_error); the chunks of the others."""
+        message = "the model produced non-finite logits for this request"
+        ended = [c.request for c in chunks if c.request.request_id in bad.request_ids]
+        outputs.extend(self._end_with_error(ended, message, ENGINE_ERROR))
+        log.warning("%s: ended %s", message, ", ".join(r.request_id for r in ended))
+        return [c for c in chunks if c.request.request_id not in bad.request_ids]
+
+    def _end_with_error(self, requests: list[Request], message: str, code: str) -> list[RequestOutput]:
+        for request in requests:
+            # Its cache pages may hold NaN now; a page reused by another request is read beyond that
+            # request's own tokens too (masked, but NaN times zero is NaN), so they go back zeroed.
+            self.cache.memory[request.pages] = 0  # page-major
+            request.error = message
+            self.scheduler.finish(request, "error")
+            self._requests.pop(request.request_id, None)
+        return [self._output(r, code=code) for r in requests]
 
     def _guilty_adapters(self, chunks: list[ScheduledChunk]) -> dict[str, str]:
         """The adapters whose chunks fail when run without the others, found by bisecting the step's
@@ -333,16 +364,10 @@ class LLMEngine:
         message = f"adapter {name!r} failed while running: {reason}"
         queued = (*self.scheduler.running, *self.scheduler.waiting)
         victims = [r for r in queued if r.adapter == name and not r.finished]
-        for request in victims:
-            # Its cache pages may hold NaN now; a page reused by another request is read beyond that
-            # request's own tokens too (masked, but NaN times zero is NaN), so they go back zeroed.
-            self.cache.memory[request.pages] = 0  # page-major
-            request.error = message
-            self.scheduler.finish(request, "error")
-            self._requests.pop(request.request_id, None)
+        outputs = self._end_with_error(victims, message, ADAPTER_FAILED)
         self.adapters.mark_failed(name, message)
         log.warning("%s; ended %d request(s) that used it", message, len(victims))
-        return [self._output(r, code=ADAPTER_FAILED) for r in victims]
+        return outputs
 
     def _next_adapters(self) -> list[str]:
         """Adapters of the requests next in the queue, in order: what to have in host memory soon."""

@@ -210,3 +210,27 @@ def test_a_request_that_fits_only_without_its_adapter_is_refused_up_front() -> N
     with pytest.raises(RequestTooLarge) as refused:
         engine.add_request([1, 2, 3, 4], params, adapter="good0")
     assert refused.value.param == "max_tokens" and f"adapter {adapter_pages} more" in str(refused.value)
+
+
+def test_non_finite_logits_no_adapter_explains_end_only_their_own_requests() -> None:
+    """Rows of a batch do not mix, so a base-model request whose logits turn NaN ends alone."""
+    engine = tiny_engine(num_adapters=1)
+    healthy: list[tuple[list[int], str | None]] = [([6, 7, 8], None), ([9, 10, 11], "good0")]
+    reference = [o.token_ids for o in run(engine, healthy).values()]
+    poison_token = 500
+    real = engine.runner.execute
+
+    def poisoned(batch: Any) -> Any:
+        logits = real(batch).clone()  # made in inference mode: a copy to write into
+        last_tokens = batch.input_ids[batch.logits_indices]  # [S] the token each sampled row ends with
+        logits[last_tokens == poison_token] = float("nan")
+        return logits
+
+    engine.runner.execute = poisoned  # type: ignore[method-assign]
+    outputs = list(run(engine, [([1, 2, poison_token], None), *healthy]).values())
+    broken = outputs[0]
+    assert isinstance(broken, FailedOutput) and broken.error_code == "engine_error"
+    assert "non-finite logits" in (broken.error or "")
+    assert [o.token_ids for o in outputs[1:]] == reference
+    assert not engine.adapters.failed
+    assert bool(torch.isfinite(engine.cache.memory).all()) and engine.pool.pages_by_kind()["kv"] == 0
