@@ -71,7 +71,7 @@ def count_forwards(engine: LLMEngine) -> list[int]:
         calls[0] += 1
         return real(batch)
 
-    engine.runner.execute = execute  # type: ignore[method-assign]
+    engine.runner.execute = execute
     return calls
 
 
@@ -127,7 +127,7 @@ def test_nan_weights_are_refused_when_loaded_and_no_step_fails() -> None:
         isolations.append(error)
         return real_isolate(chunks, error, outputs)
 
-    engine._isolate_fault = isolate  # type: ignore[method-assign]
+    engine._isolate_fault = isolate
     outputs = list(run(engine, mixed(["good0", "nan", None, "good1"])).values())
     broken = outputs[1]
     assert isinstance(broken, FailedOutput) and broken.error_code == ADAPTER_FAILED
@@ -151,7 +151,7 @@ def test_a_transient_failure_is_retried_once_and_nothing_fails() -> None:
             raise RuntimeError("a transient device error")
         return real(batch)
 
-    engine.runner.execute = flaky  # type: ignore[method-assign]
+    engine.runner.execute = flaky
     assert [o.token_ids for o in run(engine, mixed(names)).values()] == reference
     assert failures[0] == 1 and not engine.adapters.failed
 
@@ -164,7 +164,7 @@ def test_a_failure_no_adapter_explains_is_raised_after_one_retry() -> None:
         attempts[0] += 1
         raise RuntimeError("the device is gone")
 
-    engine.runner.execute = broken  # type: ignore[method-assign]
+    engine.runner.execute = broken
     for prompt, adapter in mixed([None, None]):
         engine.add_request(prompt, GREEDY, adapter=adapter)
     with pytest.raises(StepError, match="the device is gone") as raised:
@@ -184,7 +184,7 @@ def test_a_failure_every_adapter_shares_blames_none() -> None:
             raise RuntimeError("out of scratch memory")
         return real(batch)
 
-    engine.runner.execute = fails_when_big  # type: ignore[method-assign]
+    engine.runner.execute = fails_when_big
     for prompt, adapter in mixed([None, "good0", "good1", "good2"]):
         engine.add_request(prompt, GREEDY, adapter=adapter)
     with pytest.raises(StepError, match="out of scratch memory"):
@@ -226,7 +226,7 @@ def test_non_finite_logits_no_adapter_explains_end_only_their_own_requests() -> 
         logits[last_tokens == poison_token] = float("nan")
         return logits
 
-    engine.runner.execute = poisoned  # type: ignore[method-assign]
+    engine.runner.execute = poisoned
     outputs = list(run(engine, [([1, 2, poison_token], None), *healthy]).values())
     broken = outputs[0]
     assert isinstance(broken, FailedOutput) and broken.error_code == "engine_error"

@@ -21,6 +21,7 @@ import httpx
 import openai
 import pytest
 import torch
+from openai.types.chat import ChatCompletionMessageParam
 from safetensors.torch import load_file, save_file
 
 from loraplex.adapters.digest import adapter_digest
@@ -29,7 +30,7 @@ from loraplex.engine.engine import LLMEngine
 from tests.engine.server.conftest import BASE, DEMO_ADAPTER, INTERNAL, TOKEN, Server, running_server
 
 WEIGHTS = "adapter_model.safetensors"
-QUESTION = [{"role": "user", "content": "Name three colours."}]
+QUESTION: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Name three colours."}]
 
 
 @pytest.fixture(scope="module")
@@ -171,7 +172,7 @@ def test_a_step_failure_mid_stream_ends_only_the_guilty_stream(server: Server, t
     sdk = openai.OpenAI(
         base_url=f"{server.url}/v1", api_key="unused", default_headers=INTERNAL, max_retries=0, timeout=120
     )
-    runner.lora.build = build  # type: ignore[method-assign]
+    runner.lora.build = build
     try:
         guilty = sdk.chat.completions.create(
             model="poison", messages=QUESTION, max_tokens=200, temperature=0, stream=True,
@@ -190,7 +191,7 @@ def test_a_step_failure_mid_stream_ends_only_the_guilty_stream(server: Server, t
         text = "".join(c.choices[0].delta.content or "" for c in innocent if c.choices)
         assert text == expected
     finally:
-        del runner.lora.build  # type: ignore[method-assign]
+        del runner.lora.build
     listed = httpx.get(f"{server.url}/internal/adapters", headers=INTERNAL, timeout=10).json()["data"]
     assert "corrupt" in next(a for a in listed if a["name"] == "poison")["failed"]
     refused = chat(server, "poison")
@@ -213,11 +214,11 @@ def test_a_step_failure_no_adapter_explains_is_retried_before_anything_fails(ser
             raise RuntimeError("a transient device error")
         return real_execute(batch)
 
-    runner.execute = flaky  # type: ignore[method-assign]
+    runner.execute = flaky
     try:
         assert answer(chat(server, BASE)) == expected
     finally:
-        del runner.execute  # type: ignore[method-assign]
+        del runner.execute
     assert failures[0] == 1
     assert httpx.get(f"{server.url}/ready", timeout=10).status_code == 200
 
