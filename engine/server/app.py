@@ -7,8 +7,8 @@ after its first output (or failure), so an adapter that cannot load still answer
 200 stream.
 
 Trust: the gateway sends `X-Loraplex-Internal-Token` with tenant and adapter headers. With a token
-configured (LORAPLEX_INTERNAL_TOKEN, as on every cluster), nothing under /v1/ is served without it (401;
-compared in constant time); /health, /ready and /metrics stay open for probes and the autoscaler.
+configured (LORAPLEX_INTERNAL_TOKEN, as on every cluster), nothing but /health, /ready and /metrics
+(open for probes and the autoscaler) is served without it: 401, compared in constant time.
 Without a token configured, the tenant and adapter headers and the adapter-management endpoints are
 refused, and /v1/ serves the base model and the adapters registered at start (`loraplex serve` alone).
 
@@ -637,16 +637,20 @@ def token_matches(presented: str, token: SecretStr) -> bool:
     return hmac.compare_digest(presented.encode(), token.get_secret_value().encode())
 
 
+OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})  # kubelet probes and the autoscaler carry no token
+
+
 class InternalTokenGate:
-    """With a token configured, /v1/ answers 401 to a request without it before its body is read or
-    parsed, so a stranger learns nothing of the API and costs the engine nothing."""
+    """With a token configured, every path but OPEN_PATHS answers 401 to a request without it before
+    its body is read or parsed (the API, its OpenAPI document, adapter management): a stranger learns
+    nothing of the API and costs the engine nothing."""
 
     def __init__(self, app: ASGIApp, token: SecretStr | None):
         self.app = app
         self.token = token
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self.token is None or scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+        if self.token is None or scope["type"] != "http" or scope["path"] in OPEN_PATHS:
             await self.app(scope, receive, send)
             return
         presented = dict(scope["headers"]).get(INTERNAL_TOKEN_HEADER.lower().encode())

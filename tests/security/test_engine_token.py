@@ -1,4 +1,4 @@
-"""With LORAPLEX_INTERNAL_TOKEN set, the engine serves nothing under /v1/ without it; probes stay open.
+"""With LORAPLEX_INTERNAL_TOKEN set, the engine serves nothing without it but its probes and metrics.
 
 On a cluster every engine pod has the token and only the gateway holds it, so a pod reached directly
 (another namespace, a port-forward) answers 401 before reading the request; /health, /ready and
@@ -26,6 +26,10 @@ INFERENCE = [
     ("POST", "/v1/completions", COMPLETION),
     ("POST", "/v1/chat/completions", CHAT),
     ("POST", "/v1/chat/completions", {**CHAT, "stream": True}),
+    ("GET", "/openapi.json", None),
+    ("GET", "/docs", None),
+    ("GET", "/internal/adapters", None),
+    ("GET", "/nowhere", None),
 ]
 
 
@@ -44,7 +48,7 @@ def call(server: Server, method: str, path: str, body: Any, headers: dict[str, s
 
 
 @pytest.mark.parametrize(("method", "path", "body"), INFERENCE, ids=[f"{m} {p}" for m, p, _ in INFERENCE])
-def test_inference_needs_the_token(server: Server, method: str, path: str, body: Any) -> None:
+def test_everything_but_probes_needs_the_token(server: Server, method: str, path: str, body: Any) -> None:
     prompts_before = server.sample("loraplex_prompt_tokens_total")
     missing = call(server, method, path, body, {})
     assert missing.status_code == 401, missing.text
@@ -55,7 +59,7 @@ def test_inference_needs_the_token(server: Server, method: str, path: str, body:
         assert refused.status_code == 401, (wrong[:20], refused.text)
     assert server.sample("loraplex_prompt_tokens_total") == prompts_before  # nothing reached the engine
     allowed = call(server, method, path, body, INTERNAL)
-    assert allowed.status_code == 200, allowed.text
+    assert allowed.status_code == (404 if path == "/nowhere" else 200), allowed.text
 
 
 def test_an_invalid_body_without_the_token_is_a_401_not_a_400(server: Server) -> None:
