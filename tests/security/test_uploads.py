@@ -499,6 +499,9 @@ def test_hostile_multipart_bodies_get_a_4xx_naming_what_is_wrong(
     _, key = api.tenant_with_key("acme")
     good = {"name": "a1", "deployment": "tiny"}
     config = [("adapter_config.json", CONFIG)]
+    part = f'--{BOUNDARY}\r\nContent-Disposition: form-data; name="name"\r\n'
+    long_header = (part + "X-Pad: " + "p" * 4100 + "\r\n\r\na1\r\n").encode()
+    many_headers = (part + "X-Pad: p\r\n" * 6 + "\r\na1\r\n").encode()
     cases: list[tuple[dict[str, str], bytes, int, str]] = [
         (MULTIPART, form_body({**good, "extra": "x"}, config), 422, "unexpected form field 'extra'"),
         (MULTIPART, form_body({**good, "name": "n" * 5000}, config), 422, "`name` is longer than 1024 bytes"),
@@ -508,6 +511,8 @@ def test_hostile_multipart_bodies_get_a_4xx_naming_what_is_wrong(
         (MULTIPART, form_body({"name": "a1"}, config), 422, "deployment"),
         (MULTIPART, form_body({"name": "no spaces", "deployment": "tiny"}, config), 422, "name"),
         (MULTIPART, form_body(good, []), 422, "files"),
+        (MULTIPART, long_header, 422, "part header is longer than 4096 bytes"),
+        (MULTIPART, many_headers, 422, "more than 6 headers"),
         ({"content-type": "application/json"}, b"{}", 415, "multipart/form-data"),
         ({"content-type": "multipart/form-data"}, b"", 422, "boundary"),
     ]

@@ -40,8 +40,9 @@ class UnsupportedMediaType(ServiceError):
 class FormLimits:
     max_file_bytes: int  # all file parts together: the tenant's byte limit
     max_files: int = LIMITS.max_entries
-    max_fields: int = 8  # text fields, each named once
-    max_field_bytes: int = 1024
+    max_field_bytes: int = 1024  # each text field; only the named ones are accepted, each once
+    max_header_bytes: int = 4096  # one part header line (Content-Disposition with its file name)
+    max_headers: int = 6  # per part (clients send 1 to 3)
     max_filename_chars: int = LIMITS.max_name_chars
 
     def max_body_bytes(self) -> int:
@@ -141,6 +142,7 @@ class _FormParse:
     directory: Path | None = None
     _header_name: bytes = b""
     _header_value: bytes = b""
+    _headers: int = 0
     _disposition: bytes = b""
     _field: str | None = None  # the text field being read, or None for a file part
     _data: bytearray = field(default_factory=bytearray)
@@ -157,19 +159,29 @@ class _FormParse:
             "on_end": self.on_end,
         }
 
-    # The parser bounds each header line and the headers per part; these only keep what they need.
+    # Header lines and counts are bounded here, whatever bounds the installed parser applies itself.
     def on_part_begin(self) -> None:
         self._disposition = b""
         self._field = None
         self._data.clear()
+        self._headers = 0
 
     def on_header_field(self, data: bytes, start: int, end: int) -> None:
         self._header_name += data[start:end]
+        self._check_header()
 
     def on_header_value(self, data: bytes, start: int, end: int) -> None:
         self._header_value += data[start:end]
+        self._check_header()
+
+    def _check_header(self) -> None:
+        if len(self._header_name) + len(self._header_value) > self.limits.max_header_bytes:
+            raise Invalid(f"a multipart part header is longer than {self.limits.max_header_bytes} bytes")
 
     def on_header_end(self) -> None:
+        self._headers += 1
+        if self._headers > self.limits.max_headers:
+            raise Invalid(f"a multipart part has more than {self.limits.max_headers} headers")
         if self._header_name.lower() == b"content-disposition":
             self._disposition = self._header_value
         self._header_name = self._header_value = b""
@@ -189,7 +201,7 @@ class _FormParse:
             return
         if b"filename" in options:
             raise Invalid(f"`{name}` must be a text field, not a file")
-        if name in self.values or len(self.values) >= self.limits.max_fields:
+        if name in self.values:
             raise Invalid(f"the form field `{name}` is sent more than once")
         self._field = name
 
