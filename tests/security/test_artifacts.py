@@ -212,6 +212,37 @@ def test_parallel_uploads_cannot_exceed_max_storage_bytes(platform: Platform, pe
     assert [a.refcount for a in platform.rows(Artifact)] == [1]
 
 
+def test_uploads_and_deletes_of_one_digest_in_parallel_never_lose_its_object(
+    platform: Platform, peft_dir: Path
+) -> None:
+    """Deletes of the last user race uploads of the same digest: the sweep holds the artifact row while
+    it deletes the object, so an upload either keeps the row alive or waits and writes the object again."""
+    files = loose(peft_dir)
+    store = platform.client.app.state.store  # type: ignore[attr-defined]
+
+    def churn(worker: int) -> list[int]:
+        statuses = []
+        for round_ in range(3):
+            name = f"w{worker}-{round_}"
+            uploaded = upload(platform.client, platform.a.headers, files, name=name)
+            statuses.append(uploaded.status_code)
+            digest = uploaded.json()["sha256"]
+            assert store.fetch(store.uri_of(digest), digest).is_dir()  # while it is used, it is there
+            statuses.append(
+                platform.client.delete(f"/api/v1/adapters/{name}", headers=platform.a.headers).status_code
+            )
+        return statuses
+
+    with ThreadPoolExecutor(5) as pool:
+        churning = [pool.submit(churn, worker) for worker in range(4)]
+        kept = pool.submit(upload, platform.client, platform.b.headers, files, "keep")
+        assert all(status in (201, 204) for job in churning for status in job.result())
+        assert kept.result().status_code == 201
+    digest = kept.result().json()["sha256"]
+    assert [(a.digest, a.refcount) for a in platform.rows(Artifact)] == [(digest, 1)]
+    assert store.fetch(store.uri_of(digest), digest).is_dir()  # B's adapter is still servable
+
+
 def test_every_fetch_rechecks_the_digest(platform: Platform, peft_dir: Path) -> None:
     digest = upload(platform.client, platform.a.headers, loose(peft_dir)).json()["sha256"]
     assert digest == adapter_digest(peft_dir)
