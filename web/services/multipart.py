@@ -90,13 +90,10 @@ async def receive_form(
             parse.received += len(chunk)
             if parse.received > limits.max_body_bytes():
                 raise TooLarge(f"the upload is larger than the {limits.max_file_bytes}-byte limit")
-            try:
-                parser.write(chunk)
-            except FormParserError as exc:
-                raise Invalid(f"the body is not valid multipart/form-data: {exc}") from None
+            _feed(parser.write, chunk)
             if parse.pending:
                 await run_in_threadpool(parse.flush)
-        parser.finalize()
+        _feed(lambda _: parser.finalize(), b"")
         if not parse.ended:
             raise Invalid("the multipart body ended before its closing boundary")
         parse.gate()
@@ -105,6 +102,13 @@ async def receive_form(
         yield ReceivedForm(fields=dict(parse.values), files=files)
     finally:
         await run_in_threadpool(parse.discard)
+
+
+def _feed(step: Callable[[bytes], object], chunk: bytes) -> None:
+    try:
+        step(chunk)
+    except FormParserError as exc:
+        raise Invalid(f"the body is not valid multipart/form-data: {exc}") from None
 
 
 def _boundary(request: Request) -> bytes:
