@@ -27,6 +27,7 @@ from tests.web.conftest import (  # noqa: F401  (fixtures)
     app_factory,
     client,
     db_url,
+    empty_pg_url,
     loose,
     peft_dir,
     pg_admin_url,
@@ -415,3 +416,75 @@ def test_an_unreachable_store_is_unavailable_to_the_engine_not_a_fault(
     digest = adapter_digest(peft_dir)
     with pytest.raises(AdapterUnavailable, match="could not be read"):
         asyncio.run(state.local_adapter(f"s3://artifacts/lpx/{digest}", digest))
+
+
+@pytest.mark.parametrize("database", ["sqlite", "postgres"])
+def test_migration_0003_counts_existing_adapters_and_asks_for_a_reupload(
+    database: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    """Adapters stored before 0003 count against the new quotas from the start, their objects become
+    reference-counted artifacts, and they are marked failed: their weights-only hash can never verify."""
+    import datetime as dt
+
+    import sqlalchemy as sa
+
+    from loraplex.web.db.migrate import upgrade
+    from loraplex.web.db.session import make_engine
+
+    url = (
+        f"sqlite:///{tmp_path / 'old.db'}"
+        if database == "sqlite"
+        else request.getfixturevalue("empty_pg_url")
+    )
+    upgrade(url, "0002")
+    now = dt.datetime.now(dt.UTC)
+    tenant, deployment = uuid.uuid4(), uuid.uuid4()
+    weights_hash, uri = "ab" * 32, "file:///old/artifacts/" + "ab" * 32
+    when = sa.DateTime(timezone=True)
+    tenants = sa.table(
+        "tenants",
+        sa.column("id", sa.Uuid()),
+        sa.column("name"),
+        sa.column("disabled"),
+        sa.column("created_at", when),
+    )
+    deployments = sa.table(
+        "deployments",
+        *(sa.column(c) for c in ("name", "base_model", "num_layers", "hidden_size", "intermediate_size")),
+        *(sa.column(c) for c in ("q_size", "kv_size")),
+        sa.column("id", sa.Uuid()),
+        sa.column("endpoints", sa.JSON()),
+        sa.column("created_at", when),
+    )
+    adapters = sa.table(
+        "adapters",
+        *(sa.column(c, sa.Uuid()) for c in ("id", "tenant_id", "deployment_id")),
+        *(sa.column(c) for c in ("name", "status", "bytes", "sha256", "storage_uri")),
+        sa.column("target_modules", sa.JSON()),
+        sa.column("created_at", when),
+    )
+    engine = make_engine(url)
+    with engine.begin() as connection:
+        connection.execute(tenants.insert().values(id=tenant, name="old", disabled=False, created_at=now))
+        connection.execute(
+            deployments.insert().values(
+                id=deployment, name="d", base_model="m", endpoints=[], created_at=now,
+                num_layers=2, hidden_size=64, intermediate_size=96, q_size=64, kv_size=32,
+            )
+        )  # fmt: skip
+        for name in ("one", "two"):  # the same weights twice: one stored object
+            connection.execute(
+                adapters.insert().values(
+                    id=uuid.uuid4(), tenant_id=tenant, deployment_id=deployment, name=name, status="ready",
+                    target_modules=["q"], bytes=1000, sha256=weights_hash, storage_uri=uri, created_at=now,
+                )
+            )  # fmt: skip
+    upgrade(url)
+    with engine.connect() as connection:
+        usage = connection.execute(sa.text("SELECT adapters, bytes FROM storage_usage")).all()
+        artifacts = connection.execute(sa.text("SELECT digest, uri, bytes, refcount FROM artifacts")).all()
+        states = connection.execute(sa.text("SELECT DISTINCT status, error FROM adapters")).all()
+    engine.dispose()
+    assert [tuple(row) for row in usage] == [(2, 2000)]
+    assert [tuple(row) for row in artifacts] == [(weights_hash, uri, 1000, 2)]
+    assert len(states) == 1 and states[0][0] == "failed" and "upload it again" in states[0][1]
