@@ -277,7 +277,9 @@ class ServerState:
             return name
         if self.is_base_model(model):
             return None
-        if model in engine.adapters and (caller.trusted or not model.startswith(GATEWAY_ADAPTER_PREFIX)):
+        # A tenant's adapter is reached only through the adapter headers the gateway sets, never by its
+        # engine name in `model` (a body field a tenant writes), so no tenant can name another's.
+        if model in engine.adapters and not model.startswith(GATEWAY_ADAPTER_PREFIX):
             return model
         if caller.trusted:
             return None  # the gateway resolved `model` to this deployment's base model

@@ -203,6 +203,8 @@ def test_gateway_registers_adapters_lazily_by_id(server: Server, tmp_path: Path)
         m["id"] for m in httpx.get(f"{server.url}/v1/models", headers=INTERNAL, timeout=10).json()["data"]
     ]
     assert chat(server, f"id:{upper_id}", {}).status_code == 401
+    # Nor can a body naming it reach it through the gateway: only the adapter headers do.
+    assert texts[3] == content(chat(server, f"id:{upper_id}", {**INTERNAL, "X-Loraplex-Tenant": "tenant-b"}))
     # Per-tenant token counters.
     assert server.sample("loraplex_tenant_generation_tokens_total", 'tenant="tenant-a"') > 0
     assert server.sample("loraplex_tenant_prompt_tokens_total", 'tenant="tenant-b"') > 0
