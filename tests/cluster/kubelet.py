@@ -78,6 +78,17 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
+@dataclass(frozen=True)
+class Image:
+    """What a container image contributes, as its Dockerfile says: ENTRYPOINT, CMD, ENV and files baked in
+    (bound read-only at their path). The code itself is always this checkout's virtualenv."""
+
+    entrypoint: tuple[str, ...] = ("loraplex",)
+    cmd: tuple[str, ...] = ()
+    env: tuple[tuple[str, str], ...] = ()
+    files: tuple[tuple[str, str], ...] = ()  # (path in the image, path on this machine)
+
+
 @dataclass
 class Probe:
     """A probe sampled every `interval` seconds (at most MAX_PROBE_PERIOD), failing as the manifest says:
@@ -194,20 +205,23 @@ class PodRuntime:
             backoff = min(backoff * 2, 10.0)
 
     def _prepare(self, client: Client, pod: dict[str, Any], container: dict[str, Any]) -> dict[str, Any]:
+        image = self.kubelet.image(container.get("image", ""))
         env = self.kubelet.base_env(pod)
+        env.update(dict(image.env))
         env.update(self._container_env(client, pod, container))
         mounts = self._mounts(client, pod, container)
-        image_command, image_args = self.kubelet.entrypoint(container.get("image", ""))
-        command = container.get("command") or image_command
-        args = container.get("args") if container.get("command") or container.get("args") else image_args
+        mounts += [[host, path, True] for path, host in image.files]
+        # Kubernetes' rules: command replaces ENTRYPOINT (and drops CMD); args alone replace CMD.
+        command = container.get("command") or list(image.entrypoint)
+        args = container.get("args") if container.get("command") or container.get("args") else list(image.cmd)
         argv = [expand(part, env) for part in [*command, *(args or [])]]
         termination = self.root / "termination-log"
         termination.write_text("")
         mounts.append(
             [str(termination), container.get("terminationMessagePath", "/dev/termination-log"), False]
         )
-        for _, target, _ in mounts:
-            self.kubelet.ensure_mountpoint(target)
+        for source, target, _ in mounts:
+            self.kubelet.ensure_mountpoint(target, is_file=Path(source).is_file())
         return {
             "mounts": mounts,
             "env": env,
@@ -517,7 +531,7 @@ class Kubelet:
         venv_bin: Path,
         workdir: Path,
         image_env: dict[str, str] | None = None,
-        entrypoints: dict[str, tuple[list[str], list[str]]] | None = None,
+        images: dict[str, Image] | None = None,
     ) -> None:
         self.client = client
         self.network = network
@@ -526,7 +540,7 @@ class Kubelet:
         self.venv_bin = venv_bin
         self.workdir = workdir
         self.image_env = image_env or {}
-        self.entrypoints = entrypoints or {}
+        self.images = images or {}
         self.node_name = "harness-node"
         self.grace_seconds = MAX_GRACE_SECONDS
         self.pods: dict[str, PodRuntime] = {}
@@ -563,18 +577,22 @@ class Kubelet:
             env["KUBECONFIG"] = f"{SERVICE_ACCOUNT_DIR}/kubeconfig"
         return env
 
-    def entrypoint(self, image: str) -> tuple[list[str], list[str]]:
-        repository = image.rsplit(":", 1)[0] if ":" in image.rsplit("/", 1)[-1] else image
-        return self.entrypoints.get(repository, (["loraplex"], []))
+    def image(self, reference: str) -> Image:
+        """The image by repository (tag and digest ignored: every image runs this checkout)."""
+        repository = reference.split("@", 1)[0]
+        if ":" in repository.rsplit("/", 1)[-1]:
+            repository = repository.rsplit(":", 1)[0]
+        return self.images.get(repository, Image())
 
-    def ensure_mountpoint(self, target: str) -> None:
+    def ensure_mountpoint(self, target: str, is_file: bool = False) -> None:
         """Create a missing mount point on the host (a bind mount needs one); removed again at teardown."""
         path = Path(target)
         with self._mountpoint_lock:
             if path.exists():
                 return
             missing = [p for p in [path, *path.parents] if not p.exists()]
-            if target.startswith("/dev/"):
+            if is_file:
+                path.parent.mkdir(parents=True, exist_ok=True)
                 path.touch()
             else:
                 path.mkdir(parents=True)
