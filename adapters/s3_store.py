@@ -24,7 +24,7 @@ from botocore.exceptions import BotoCoreError, ClientError
 
 from .digest import ADAPTER_FILES, DigestMismatch, check_digest, is_digest
 from .errors import AdapterError
-from .store import StoreUnavailable
+from .store import OutsideStore, StoreUnavailable
 
 if TYPE_CHECKING:
     from mypy_boto3_s3 import S3Client
@@ -199,7 +199,7 @@ class S3ArtifactStore:
         )
         folder = "/".join(segments)
         if outside or (self.prefix and not folder.startswith(self.prefix + "/")):
-            raise AdapterError(f"{uri} is outside the artifact store {self.location}: refusing it")
+            raise OutsideStore(f"{uri} is outside the artifact store {self.location}: refusing it")
         return folder
 
     def _holds(self, folder: str, directory: Path) -> bool:

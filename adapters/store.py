@@ -24,6 +24,11 @@ class StoreUnavailable(RuntimeError):
     """The store could not be reached or refused our credentials: not the adapter's fault, retry later."""
 
 
+class OutsideStore(AdapterError):
+    """A URI this store does not hold (another directory, bucket or prefix, or another scheme): refused.
+    For an engine handed such a URI by the control plane, the two are configured with different stores."""
+
+
 class ArtifactStore(Protocol):
     @property
     def location(self) -> str:
@@ -147,7 +152,7 @@ class LocalArtifactStore:
         root = self.root.resolve()
         resolved = path.resolve()
         if resolved == root or not resolved.is_relative_to(root):
-            raise AdapterError(f"{uri} is outside the artifact store {self.root}: refusing it")
+            raise OutsideStore(f"{uri} is outside the artifact store {self.root}: refusing it")
         return resolved
 
     def _remove(self, path: Path) -> None:

@@ -36,6 +36,7 @@ from loraplex.adapters import (
 from loraplex.adapters.digest import digest_of_bytes
 from loraplex.adapters.manifest import WEIGHTS_FILE, parse_tensor_name
 from loraplex.adapters.peft_config import CONFIG_FILE
+from loraplex.adapters.store import OutsideStore
 
 # (layer, module) -> (A [rank, in], B [out, rank])
 LoraWeights = dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
@@ -130,7 +131,7 @@ class AdapterFetcher:
                 raise AdapterError(f"{digest[:80]!r} is not an adapter digest (64 hex characters)")
         if self.store is None:
             if urlparse(uri).scheme == "s3":
-                raise AdapterError(
+                raise OutsideStore(
                     f"{uri[:200]}: s3:// adapters need LORAPLEX_ADAPTER_STORE set to their store"
                 )
             return fetch_local(uri, digest)

@@ -110,6 +110,7 @@ class ServerState:
         it) and its digest verified (engine/lora/sources.py). AdapterUnavailable when the store does not
         answer; AdapterError when the adapter is not there or not what `sha256` names."""
         from loraplex.adapters import DigestMismatch, StoreUnavailable
+        from loraplex.adapters.store import OutsideStore
         from loraplex.engine.lora.sources import AdapterFetcher
 
         if self._fetcher is None:
@@ -127,6 +128,10 @@ class ServerState:
             if is_store_outage(exc):
                 raise AdapterUnavailable(f"the adapter store could not be read: {exc}") from exc
             raise AdapterFetchFailed(f"nothing usable at {uri[:200]}: {exc.strerror}") from exc
+        except OutsideStore as exc:  # the control plane and this engine disagree on the store: not its fault
+            raise AdapterUnavailable(
+                f"{exc}; the control plane and the engines must share LORAPLEX_ADAPTER_STORE"
+            ) from exc
         except DigestMismatch:
             raise
         except AdapterError as exc:

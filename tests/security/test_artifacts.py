@@ -387,7 +387,7 @@ def test_the_engine_refuses_an_adapter_changed_after_registration(peft_dir: Path
 def test_the_engine_fetches_only_from_its_store(peft_dir: Path, tmp_path: Path) -> None:
     import asyncio
 
-    from loraplex.engine.server.async_engine import AdapterFetchFailed
+    from loraplex.engine.server.async_engine import AdapterFetchFailed, AdapterUnavailable
 
     store = LocalArtifactStore(tmp_path / "store")
     digest = adapter_digest(peft_dir)
@@ -395,8 +395,14 @@ def test_the_engine_fetches_only_from_its_store(peft_dir: Path, tmp_path: Path) 
     state = engine_state(tmp_path, adapter_store=str(store.root))
     assert asyncio.run(state.local_adapter(uri, digest)) == str(local_path(uri))
     assert asyncio.run(state.local_adapter(digest, digest)) == str(local_path(uri))  # relative: in the store
-    with pytest.raises(AdapterFetchFailed, match="outside the artifact store"):
+    # Outside the store: refused, and not blamed on the adapter (the control plane, which sent the URI,
+    # and this engine are configured with different stores).
+    with pytest.raises(
+        AdapterUnavailable, match=r"outside the artifact store.*must share LORAPLEX_ADAPTER_STORE"
+    ):
         asyncio.run(state.local_adapter(peft_dir.as_uri(), digest))
+    with pytest.raises(AdapterFetchFailed, match="no adapter at"):  # inside it, but nothing there
+        asyncio.run(state.local_adapter(f"{store.root}/{'0' * 64}", None))
     with pytest.raises(DigestMismatch):  # the gateway's digest is not what the store holds
         asyncio.run(state.local_adapter(uri, "0" * 64))
 
