@@ -11,6 +11,8 @@ adapter is not at fault, try later) and AdapterError (nothing at that key, or co
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import os
 import shutil
 import tempfile
@@ -100,7 +102,13 @@ class S3ArtifactStore:
             for name in reversed(ADAPTER_FILES):
                 with (Path(directory) / name).open("rb") as body:
                     self._call(
-                        "store", self.client.put_object, Bucket=self.bucket, Key=f"{folder}/{name}", Body=body
+                        "store",
+                        self.client.put_object,
+                        Bucket=self.bucket,
+                        Key=f"{folder}/{name}",
+                        Body=body,
+                        # The service checks the bytes it received and keeps the checksum (see _holds).
+                        ChecksumAlgorithm="SHA256",
                     )
         return self.uri_of(digest)
 
@@ -203,17 +211,21 @@ class S3ArtifactStore:
         return folder
 
     def _holds(self, folder: str, directory: Path) -> bool:
-        """Whether both objects are there already with the sizes of the files (the put is then a no-op)."""
+        """Whether both objects are there already, byte for byte the files (the put is then a no-op): the
+        SHA-256 checksum the service computed when they were written, against the files'. An object
+        without one, or with another, is written again."""
         for name in ADAPTER_FILES:
             try:
-                head = self.client.head_object(Bucket=self.bucket, Key=f"{folder}/{name}")
+                head = self.client.head_object(
+                    Bucket=self.bucket, Key=f"{folder}/{name}", ChecksumMode="ENABLED"
+                )
             except ClientError as exc:
                 if _code(exc) in _MISSING_CODES:
                     return False
                 raise self._unavailable("store", exc) from exc
             except BotoCoreError as exc:
                 raise self._unavailable("store", exc) from exc
-            if head.get("ContentLength") != (directory / name).stat().st_size:
+            if head.get("ChecksumSHA256") != _checksum(directory / name):
                 return False
         return True
 
@@ -247,6 +259,15 @@ class S3ArtifactStore:
             )
             return StoreUnavailable(f"cannot {verb} the artifact store {self.location}: it {reason}")
         return StoreUnavailable(f"cannot {verb} the artifact store {self.location}: {exc}")
+
+
+def _checksum(path: Path) -> str:
+    """S3's ChecksumSHA256 of a file: the base64 of its sha256."""
+    digest = hashlib.sha256()
+    with path.open("rb") as stream:
+        for block in iter(lambda: stream.read(_CHUNK), b""):
+            digest.update(block)
+    return base64.b64encode(digest.digest()).decode()
 
 
 def _code(exc: ClientError) -> str:

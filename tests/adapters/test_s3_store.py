@@ -159,6 +159,25 @@ def test_every_fetch_checks_the_digest(
     assert list((tmp_path / "cache").iterdir()) == []
 
 
+def test_put_rewrites_a_damaged_object(
+    aws_env: S3Server, store: S3ArtifactStore, adapter: tuple[Path, str]
+) -> None:
+    """An identical adapter uploaded again is not written twice, unless what the bucket holds is no longer
+    it: same key, same size, other bytes (compared through the checksum the service keeps)."""
+    source, digest = adapter
+    uri = store.put(source, digest)
+    key = f"{store.prefix}/{digest}/{WEIGHTS_FILE}"
+    client = aws_env.client()
+    written = client.head_object(Bucket=BUCKET, Key=key)["LastModified"]  # type: ignore[attr-defined]
+    assert store.put(source, digest) == uri
+    assert client.head_object(Bucket=BUCKET, Key=key)["LastModified"] == written  # type: ignore[attr-defined]
+    damaged = bytearray((source / WEIGHTS_FILE).read_bytes())
+    damaged[-1] ^= 0xFF
+    client.put_object(Bucket=BUCKET, Key=key, Body=bytes(damaged))  # type: ignore[attr-defined]
+    assert store.put(source, digest) == uri
+    assert store.fetch(uri, digest).is_dir()  # repaired by the second upload
+
+
 def test_put_refuses_a_digest_that_does_not_describe_the_files(
     aws_env: S3Server, store: S3ArtifactStore, adapter: tuple[Path, str]
 ) -> None:
