@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
     engine_port = args.engine_port or _free_port()
     engine_url = f"http://127.0.0.1:{engine_port}"
     log_path = settings.data_dir / "engine.log"
-    engine = _start_engine(engine_port, settings.engine_token(), log_path)
+    engine = _start_engine(engine_port, settings.engine_token(), settings.adapter_store, log_path)
 
     def stop_on_signal(signum: int, frame: object) -> None:
         raise KeyboardInterrupt  # leaves the wait below; uvicorn has its own handlers once it runs
@@ -99,7 +99,10 @@ def run(args: argparse.Namespace) -> int:
         demo = ensure_demo(settings, BASE_MODEL, engine_url, DEMO_ADAPTER_DIR)
         url = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}"
         server = _announcing_server(
-            uvicorn.Config(create_app(settings), host=args.host, port=args.port, log_level="warning"),
+            # No proxy headers: the client address is decided by LORAPLEX_TRUSTED_PROXIES alone.
+            uvicorn.Config(
+                create_app(settings), host=args.host, port=args.port, log_level="warning", proxy_headers=False
+            ),
             lambda: print(_banner(url, demo, settings), flush=True),
         )
         signal.signal(signal.SIGTERM, previous)
@@ -160,9 +163,10 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
-def _start_engine(port: int, token: str, log_path: Path) -> subprocess.Popen[bytes]:
+def _start_engine(port: int, token: str, adapter_store: str, log_path: Path) -> subprocess.Popen[bytes]:
     command = [sys.executable, "-m", "loraplex.cli.main", "serve", "--host", "127.0.0.1", "--port", str(port)]
-    env = {**os.environ, "LORAPLEX_INTERNAL_TOKEN": token}
+    # The engine reads adapters only from the control plane's store, as on a cluster.
+    env = {**os.environ, "LORAPLEX_INTERNAL_TOKEN": token, "LORAPLEX_ADAPTER_STORE": adapter_store}
     log = log_path.open("ab")
     try:
         return subprocess.Popen(

@@ -82,7 +82,8 @@ def serve(args: argparse.Namespace) -> int:
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     if not args.no_migrate:
         upgrade(settings.database_url)
-    uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level="info")
+    # No proxy headers: the client address is decided by LORAPLEX_TRUSTED_PROXIES alone (docs/security.md).
+    uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level="info", proxy_headers=False)
     return 0
 
 
