@@ -502,5 +502,5 @@ class AsyncEngine:
             stats.evictions,
             stats.load_seconds,
         )
-        if len(residency.failed) != len(self.failed_adapters):
+        if residency.failed != self.failed_adapters:  # a few entries: compared whole, not by count
             self._refresh_adapters()
