@@ -234,3 +234,33 @@ def test_non_finite_logits_no_adapter_explains_end_only_their_own_requests() -> 
     assert [o.token_ids for o in outputs[1:]] == reference
     assert not engine.adapters.failed
     assert bool(torch.isfinite(engine.cache.memory).all()) and engine.pool.pages_by_kind()["kv"] == 0
+
+
+@dataclass
+class Flaky:
+    """A source whose store does not answer the first `outages` reads."""
+
+    inner: SyntheticAdapter
+    outages: int
+
+    @property
+    def manifest(self) -> AdapterManifest:
+        return self.inner.manifest
+
+    def load(self, dtype: torch.dtype) -> LoraWeights:
+        if self.outages > 0:
+            self.outages -= 1
+            raise ConnectionError("the store did not answer")
+        return self.inner.load(dtype)
+
+
+def test_a_store_outage_is_not_the_adapter_s_fault_and_the_next_request_retries() -> None:
+    engine = tiny_engine(num_adapters=0)
+    base = engine.loaded.config.lora_shape()
+    engine.register_adapter("remote", Flaky(SyntheticAdapter(base, seed=3, rank=4), outages=1))
+    first = list(run(engine, mixed(["remote", None])).values())
+    assert isinstance(first[0], FailedOutput) and first[0].error_code == "adapter_unavailable"
+    assert "did not answer" in (first[0].error or "") and first[1].finish_reason == "length"
+    assert "remote" not in engine.adapters.failed and not engine.adapters.unavailable
+    again = list(run(engine, mixed(["remote"])).values())
+    assert again[0].finish_reason == "length"

@@ -169,3 +169,42 @@ def test_logprobs_shapes() -> None:
     legacy, offset = protocol.completion_logprobs(entries, names.__getitem__, 10)
     assert legacy["text_offset"] == [10, 12] and offset == 13
     assert legacy["top_logprobs"][0] == {"ab": -0.5, "é": -9999.0}
+
+
+def test_engine_failures_map_to_the_wire_contract() -> None:
+    """Whose fault it was decides the answer: the adapter's (422 adapter_failed, the gateway marks it
+    failed), its store's (503 adapter_unavailable, retry), or the engine's (500 engine_error)."""
+    from loraplex.engine.engine import FailedOutput
+    from loraplex.engine.request import RequestOutput
+    from loraplex.engine.sampling_params import SamplingParams
+    from loraplex.engine.server.async_engine import AdapterFailed, AdapterUnavailable
+    from loraplex.engine.server.delivery import Job, failure, output_failure
+
+    job = Job(False, "mine", "id:1", [1], SamplingParams(), False, False, "t")
+    fields = dict(request_id="r", prompt=None, prompt_token_ids=[1], token_ids=[], text="", finished=True)
+
+    def answer(code: str | None) -> protocol.OpenAIError | None:
+        output = (
+            RequestOutput(**fields, finish_reason="error", error="why")
+            if code is None
+            else FailedOutput(**fields, finish_reason="error", error="why", error_code=code)
+        )
+        return output_failure(output, job)
+
+    expected = {
+        "adapter_failed": (422, None),
+        "adapter_unavailable": (503, "1"),
+        "engine_error": (500, None),
+        None: (500, None),
+    }
+    for code, (status, retry_after) in expected.items():
+        error = answer(code)
+        assert error is not None and error.status == status and error.message == "why"
+        assert error.code == (code or "engine_error")
+        assert (error.headers or {}).get("Retry-After") == retry_after
+    done = RequestOutput(**fields, finish_reason="stop")
+    assert output_failure(done, job) is None
+    assert (
+        failure(AdapterFailed("bad")).code == "adapter_failed" and failure(AdapterFailed("x")).status == 422
+    )
+    assert failure(AdapterUnavailable("down")).status == 503
