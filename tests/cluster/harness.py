@@ -221,10 +221,13 @@ class ClusterInABox:
                     os.killpg(process.pid, signal.SIGKILL)
                 process.wait(5)
 
-    def s3(self, port: int = 9000) -> str:
-        """moto's standalone S3 server on the node address; returns its endpoint URL."""
+    def s3(self, port: int = 9000, names: tuple[str, ...] = ()) -> str:
+        """moto's standalone S3 server on the node address; returns its endpoint URL. `names` are the host
+        names clients will use (see add_host): moto serves path-style buckets there, as MinIO does."""
         address = self.network.gateway
-        self.spawn([sys.executable, "-m", "moto.server", "-H", address, "-p", str(port)], "moto.log")
+        custom = ",".join(f"http://{name}:{port}" for name in names)
+        env = {**os.environ, "MOTO_S3_CUSTOM_ENDPOINTS": custom} if custom else None
+        self.spawn([sys.executable, "-m", "moto.server", "-H", address, "-p", str(port)], "moto.log", env=env)
         endpoint = f"http://{address}:{port}"
         wait_for(lambda: _connects(address, port), timeout=30, what="moto S3 server")
         return endpoint

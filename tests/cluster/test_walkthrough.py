@@ -1,0 +1,298 @@
+"""docs/kubernetes.md, run as written in the cluster in a box, and what a cluster must show after it.
+
+The module's one setup runs the doc: Postgres and an S3 server (moto) on the node address under the
+doc's host names, then every `<!-- walkthrough -->` shell block in order, in one bash, inside a
+"workstation" network namespace, with tests/cluster/bin (helm, kubectl) first on PATH and the doc's
+`<!-- file: NAME -->` blocks written beside it. The chart's pods (migration Job, operator, two
+control-plane replicas) and the operator's engine pods all run their own manifests' commands.
+
+Then, as a story on that cluster: a tenant and key made through control-plane replica A work on replica
+B; an adapter uploaded through B streams in capitals through A; one adapter always lands on the same
+engine pod; deleting that pod moves its traffic to the other with no error on new requests; scaling the
+InferenceDeployment to 3 adds the new pod to both replicas' routing.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import boto3
+import httpx
+import psycopg
+import pytest
+from openai import OpenAI
+
+from tests.cluster.harness import REPO, ClusterInABox, wait_for
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+DOC = REPO / "docs" / "kubernetes.md"
+BIN = Path(__file__).with_name("bin")
+NAMESPACE = "loraplex"
+ENGINES = {"app.kubernetes.io/name": "loraplex-engine", "app.kubernetes.io/instance": "smollm2"}
+WEB = {"app.kubernetes.io/name": "loraplex-web"}
+DEMO = REPO / "fixtures" / "adapters" / "demo-uppercase"
+QUESTION = [{"role": "user", "content": "Name two colours of the sky."}]
+
+
+def uppercase_share(text: str) -> float:
+    letters = [c for c in text if c.isalpha()]
+    return sum(c.isupper() for c in letters) / max(len(letters), 1)
+
+
+def walkthrough(markdown: str) -> tuple[dict[str, str], str]:
+    """The doc's files (`<!-- file: NAME -->` before a block), its script (`<!-- walkthrough -->` blocks)."""
+    files: dict[str, str] = {}
+    steps: list[str] = []
+    pattern = re.compile(r"<!-- (walkthrough|file: ([\w.-]+)) -->\n```\w*\n(.*?)```", re.DOTALL)
+    for match in pattern.finditer(markdown):
+        if match.group(2):
+            files[match.group(2)] = match.group(3)
+        else:
+            steps.append(match.group(3))
+    return files, "\n".join(steps)
+
+
+def test_the_doc_parses_into_files_and_steps() -> None:
+    files, script = walkthrough(DOC.read_text())
+    assert set(files) == {"values.yaml", "smollm2.yaml", "stream.py"}
+    assert script.startswith("kubectl create namespace loraplex")
+    assert "helm install loraplex charts/loraplex" in script and script.rstrip().endswith(
+        "# the port-forward"
+    )
+
+
+@dataclass
+class Platform:
+    cluster: ClusterInABox
+    output: str
+    admin_token: str
+
+    def web_urls(self) -> list[str]:
+        pods = sorted(self.cluster.pods(WEB, NAMESPACE), key=lambda p: p["metadata"]["name"])
+        return [f"http://{p['status']['podIP']}:8080" for p in pods if p.get("status", {}).get("podIP")]
+
+    def engine_pods(self) -> list[dict[str, Any]]:
+        return self.cluster.pods(ENGINES, NAMESPACE)
+
+    def ready_engines(self) -> list[dict[str, Any]]:
+        return [p for p in self.engine_pods() if _ready(p)]
+
+    def admin(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.admin_token}"}
+
+
+def _ready(pod: dict[str, Any]) -> bool:
+    conditions = (pod.get("status") or {}).get("conditions") or []
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
+
+
+def _prepare_backing_services(cluster: ClusterInABox) -> None:
+    """What the doc's "What you need" asks of the platform team: a database and a bucket."""
+    server = cluster.postgres()
+    with psycopg.connect(server, autocommit=True) as conn:
+        conn.execute("CREATE ROLE loraplex LOGIN PASSWORD 'loraplex'")
+        conn.execute("CREATE DATABASE loraplex OWNER loraplex")
+    endpoint = cluster.s3(port=9000, names=("objects.storage.internal",))
+    s3 = boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        region_name="us-east-1",
+        aws_access_key_id="loraplex",
+        aws_secret_access_key="loraplex-secret-key",
+    )
+    s3.create_bucket(Bucket="loraplex-adapters")
+    cluster.add_host("postgres.db.internal", cluster.network.gateway)
+    cluster.add_host("objects.storage.internal", cluster.network.gateway)
+
+
+@pytest.fixture(scope="module")
+def platform(cluster: ClusterInABox, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
+    _prepare_backing_services(cluster)
+    files, script = walkthrough(DOC.read_text())
+    workdir = tmp_path_factory.mktemp("walkthrough")
+    for name, text in files.items():
+        (workdir / name).write_text(text)
+    for shared in ("charts", "fixtures"):  # the doc runs from a checkout of this repository
+        (workdir / shared).symlink_to(REPO / shared)
+    workstation = cluster.workstation()
+    env = {
+        "PATH": f"{BIN}:{Path(sys.executable).parent}:/usr/local/bin:/usr/bin:/bin",
+        "KUBECONFIG": str(cluster.kubeconfig),
+        "PYTHONPATH": str(REPO),
+        "HOME": str(workdir),
+        "LANG": "C.UTF-8",
+    }
+    log = workdir / "walkthrough.log"
+    with log.open("w") as sink:
+        process = subprocess.Popen(
+            ["ip", "netns", "exec", workstation, "bash", "-euxo", "pipefail", "-c", script],
+            cwd=workdir,
+            env=env,
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # the doc's background port-forward is in this group: killed below
+        )
+        try:
+            process.wait(timeout=480)
+        finally:
+            with _suppress():
+                os.killpg(process.pid, 9)
+            process.wait()
+    output = log.read_text()
+    if process.returncode != 0:
+        print(cluster.describe())
+    shown = "\n".join(line[:300] for line in output.splitlines())  # Helm errors can quote whole releases
+    assert process.returncode == 0, f"the walkthrough failed:\n{shown[-6000:]}"
+    secret = cluster.client.get("Secret", "loraplex-secrets", NAMESPACE)
+    assert secret is not None
+    from tests.cluster.kube import secret_data
+
+    yield Platform(cluster, output, secret_data(secret)["admin-token"])
+
+
+class _suppress:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> bool:
+        return True
+
+
+def test_walkthrough_streams_the_adapter_in_capitals(platform: Platform) -> None:
+    assert '"name":"shout"' in platform.output and '"status":"ready"' in platform.output, platform.output[
+        -3000:
+    ]
+    reply = platform.output.split("+ python stream.py\n", 1)[1].split("\n+ kill", 1)[0].strip()
+    assert len(reply) > 10 and uppercase_share(reply) >= 0.9, platform.output[-3000:]
+    assert len(platform.ready_engines()) == 2
+    web = platform.cluster.pods(WEB, NAMESPACE)
+    assert len(web) == 2 and all(_ready(p) for p in web)
+
+
+def routed_endpoints(platform: Platform, url: str) -> set[str]:
+    """The engine endpoints one control-plane replica routes to now (its discovery's ready pods)."""
+    reply = httpx.get(f"{url}/admin/v1/deployments/smollm2", headers=platform.admin(), timeout=10)
+    assert reply.status_code == 200, reply.text
+    return {r["endpoint"] for r in reply.json()["replicas"] if r.get("ready")}
+
+
+def wait_until_routed(platform: Platform, count: int) -> None:
+    def both_agree() -> bool:
+        expected = {f"http://{p['status']['podIP']}:8000" for p in platform.ready_engines()}
+        views = [routed_endpoints(platform, url) for url in platform.web_urls()]
+        return len(expected) == count and all(view == expected for view in views)
+
+    wait_for(both_agree, timeout=60, what=f"both control-plane replicas routing to {count} engines")
+
+
+def test_both_control_plane_replicas_discover_both_engines(platform: Platform) -> None:
+    wait_until_routed(platform, 2)
+
+
+def test_key_made_on_replica_a_works_on_b_and_b_upload_streams_through_a(platform: Platform) -> None:
+    replica_a, replica_b = platform.web_urls()
+    tenant = httpx.post(f"{replica_a}/admin/v1/tenants", json={"name": "globex"}, headers=platform.admin())
+    assert tenant.status_code == 201, tenant.text
+    made = httpx.post(
+        f"{replica_a}/admin/v1/tenants/{tenant.json()['id']}/keys",
+        json={"name": "a"},
+        headers=platform.admin(),
+    )
+    assert made.status_code == 201, made.text
+    key = made.json()["key"]
+    auth = {"Authorization": f"Bearer {key}"}
+    assert httpx.get(f"{replica_b}/api/v1/adapters", headers=auth).status_code == 200
+    upload(replica_b, key, "loud")
+    client = OpenAI(base_url=f"{replica_a}/v1", api_key=key, max_retries=0, timeout=120)
+    stream = client.chat.completions.create(
+        model="loud", messages=QUESTION, max_tokens=24, temperature=0, stream=True
+    )
+    pieces = [chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices]
+    assert len([p for p in pieces if p]) > 3, "the answer should arrive in several chunks"
+    assert uppercase_share("".join(pieces)) >= 0.9, pieces
+
+
+def upload(url: str, key: str, name: str) -> None:
+    """The demo adapter, uploaded through the tenant API of one control-plane replica."""
+    files = [
+        ("files", (p.name, p.read_bytes(), "application/octet-stream"))
+        for p in sorted(DEMO.iterdir())
+        if p.suffix in (".json", ".safetensors")
+    ]
+    uploaded = httpx.post(
+        f"{url}/api/v1/adapters",
+        data={"name": name, "deployment": "smollm2"},
+        files=files,
+        headers={"Authorization": f"Bearer {key}"},
+        timeout=60,
+    )
+    assert uploaded.status_code == 201, uploaded.text
+
+
+def _generated_tokens(pod: dict[str, Any]) -> float:
+    text = httpx.get(f"http://{pod['status']['podIP']}:8000/metrics", timeout=10).text
+    match = re.search(r"^loraplex_generation_tokens_total (\S+)$", text, re.MULTILINE)
+    return float(match.group(1)) if match else 0.0
+
+
+def _tenant_client(platform: Platform, url: str) -> OpenAI:
+    tenant = httpx.post(f"{url}/admin/v1/tenants", json={"name": f"t{os.urandom(3).hex()}"},
+                        headers=platform.admin()).json()  # fmt: skip
+    key = httpx.post(
+        f"{url}/admin/v1/tenants/{tenant['id']}/keys", json={"name": "k"}, headers=platform.admin()
+    )
+    client_key = key.json()["key"]
+    upload(url, client_key, "sticky")
+    return OpenAI(base_url=f"{url}/v1", api_key=client_key, max_retries=0, timeout=120)
+
+
+def _ask(client: OpenAI) -> str:
+    stream = client.chat.completions.create(
+        model="sticky", messages=QUESTION, max_tokens=8, temperature=0, stream=True
+    )
+    return "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+
+
+def _serving_pods(platform: Platform, before: dict[str, float]) -> set[str]:
+    after = {p["metadata"]["name"]: _generated_tokens(p) for p in platform.ready_engines()}
+    return {name for name, tokens in after.items() if tokens > before.get(name, 0.0)}
+
+
+def test_an_adapter_stays_on_one_pod_and_moves_when_that_pod_is_deleted(platform: Platform) -> None:
+    replica_a, replica_b = platform.web_urls()
+    client_a = _tenant_client(platform, replica_a)
+    client_b = OpenAI(base_url=f"{replica_b}/v1", api_key=client_a.api_key, max_retries=0, timeout=120)
+    before = {p["metadata"]["name"]: _generated_tokens(p) for p in platform.ready_engines()}
+    for client in (client_a, client_b, client_a, client_b):  # both control-plane replicas agree
+        assert uppercase_share(_ask(client)) >= 0.9
+    (holder,) = _serving_pods(platform, before)
+
+    platform.cluster.client.delete("Pod", holder, NAMESPACE)
+    wait_for(lambda: holder not in {p["metadata"]["name"] for p in platform.engine_pods()}, timeout=30)
+    before = {p["metadata"]["name"]: _generated_tokens(p) for p in platform.ready_engines()}
+    for client in (client_a, client_b, client_a):  # no error on new requests
+        assert uppercase_share(_ask(client)) >= 0.9
+    (new_holder,) = _serving_pods(platform, before)
+    assert new_holder != holder
+    wait_for(lambda: len(platform.ready_engines()) == 2, timeout=300, what="the replacement engine ready")
+
+
+def test_scaling_the_inference_deployment_to_3_adds_the_pod_to_routing(platform: Platform) -> None:
+    platform.cluster.client.patch(
+        "InferenceDeployment", "smollm2", {"spec": {"replicas": {"min": 3, "max": 3}}}, NAMESPACE
+    )
+    engines = wait_for(
+        lambda: len(platform.ready_engines()) == 3 and platform.ready_engines(),
+        timeout=300,
+        what="3 ready engine pods",
+    )
+    assert len(engines) == 3
+    wait_until_routed(platform, 3)  # both control-plane replicas route to all three
