@@ -27,6 +27,8 @@ class EngineConfig:
     adapter_prefetch_depth: int = 32  # queued requests whose adapters are read ahead into host memory
     kernels: str = "auto"  # auto (Triton on CUDA, torch on the CPU) | triton | torch
     seed: int = 0  # for random weights and for requests without a seed of their own
+    # Where s3:// and hf:// models are downloaded once; None: LORAPLEX_MODEL_CACHE, else ~/.cache/loraplex.
+    model_cache: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:

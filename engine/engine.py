@@ -84,7 +84,9 @@ class LLMEngine:
         device = config.torch_device()
         dtype = config.torch_dtype(device)
         if loaded is None:
-            loaded = load_model(config.model, dtype, device, config.seed, config.max_model_len)
+            loaded = load_model(
+                config.model, dtype, device, config.seed, config.max_model_len, config.model_cache
+            )
         elif loaded.model.dtype != dtype or loaded.model.device.type != device.type:
             raise ValueError(
                 f"the loaded model is {loaded.model.dtype} on {loaded.model.device}, "

@@ -113,7 +113,7 @@ class ServerSettings(BaseSettings):
 
         wanted: dict[str, Any] = {
             "model": model_path(self.model) if self.model is not None else None,
-            "model_cache": self.model_cache,  # taken when EngineConfig has it; else LORAPLEX_MODEL_CACHE
+            "model_cache": str(self.model_cache) if self.model_cache is not None else None,
             "device": self.device,
             "dtype": self.dtype,
             "seed": self.seed,

@@ -270,6 +270,19 @@ def test_hf_offline_from_a_prepared_cache(offline: None, tiny_dir: Path, tmp_pat
     assert ServerSettings(model="hf://acme/tiny-llama@v1").model_name == "acme/tiny-llama"
 
 
+def test_the_engine_takes_its_model_cache_from_its_settings(
+    offline: None, tiny_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from loraplex.engine.engine import LLMEngine
+
+    monkeypatch.delenv("LORAPLEX_MODEL_CACHE", raising=False)
+    cache = tmp_path / "settings-cache"
+    hf_cache(cache, "acme/tiny-llama", tiny_dir)
+    settings = ServerSettings(model="hf://acme/tiny-llama", model_cache=cache, num_pages=8, device="cpu")
+    engine = LLMEngine(settings.engine_config())
+    assert same_weights(engine.loaded.model, load_model(tiny_dir).model)
+
+
 def test_hf_not_cached_offline_is_one_clear_line(offline: None, tmp_path: Path) -> None:
     with pytest.raises(ModelSourceError) as caught:
         fetch_model("hf://acme/absent", tmp_path)
