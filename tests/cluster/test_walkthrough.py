@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -27,7 +28,8 @@ import boto3
 import httpx
 import psycopg
 import pytest
-from openai import OpenAI
+import yaml
+from openai import APIError, OpenAI
 
 from tests.cluster.harness import REPO, ClusterInABox, wait_for
 
@@ -296,3 +298,67 @@ def test_scaling_the_inference_deployment_to_3_adds_the_pod_to_routing(platform:
     )
     assert len(engines) == 3
     wait_until_routed(platform, 3)  # both control-plane replicas route to all three
+
+
+def test_a_pod_dying_mid_stream_gives_an_error_event_and_usage_is_still_recorded(platform: Platform) -> None:
+    url = platform.web_urls()[0]
+    client = _tenant_client(platform, url)
+    before = {p["metadata"]["name"]: _generated_tokens(p) for p in platform.ready_engines()}
+    _ask(client)
+    (holder,) = _serving_pods(platform, before)
+    runtime = platform.cluster.kubelet.pods[f"{NAMESPACE}/{holder}"]
+    assert runtime.process is not None
+    stream = client.chat.completions.create(
+        model="sticky", messages=QUESTION, max_tokens=400, temperature=0, stream=True
+    )
+    received = []
+    with pytest.raises(APIError) as raised:
+        for chunk in stream:
+            received.append(chunk)
+            if len(received) == 3:  # streaming has begun: the engine process dies (a crash, no drain)
+                os.killpg(runtime.process.pid, signal.SIGKILL)
+    assert len(received) >= 3
+    assert raised.value.message, "the error event should say what happened"
+    usage = httpx.get(f"{url}/api/v1/usage", headers={"Authorization": f"Bearer {client.api_key}"}).json()
+    rows = {row["model"]: row for row in usage["rows"]}
+    assert rows["sticky"]["requests"] == 2  # the short question and the interrupted stream
+    # The crashed container restarts in place, as restartPolicy Always says.
+    restarted = wait_for(
+        lambda: next(
+            (
+                s
+                for p in platform.engine_pods()
+                if p["metadata"]["name"] == holder
+                for s in (p.get("status") or {}).get("containerStatuses") or []
+                if s.get("restartCount", 0) >= 1
+            ),
+            None,
+        ),
+        timeout=30,
+        what="the engine container restarted",
+    )
+    assert restarted["lastState"]["terminated"]["exitCode"] == 137
+
+
+def test_a_model_uri_that_does_not_resolve_is_reported_in_the_status(platform: Platform) -> None:
+    files, _ = walkthrough(DOC.read_text())
+    broken = yaml.safe_load(files["smollm2.yaml"])
+    broken["metadata"]["name"] = "broken"
+    broken["spec"]["model"]["uri"] = "file:///models/no-such-model.gguf"
+    broken["spec"]["replicas"] = {"min": 1, "max": 1}
+    platform.cluster.client.create(broken, NAMESPACE)
+
+    def degraded() -> dict[str, Any] | None:
+        idep = platform.cluster.client.get("InferenceDeployment", "broken", NAMESPACE) or {}
+        conditions = (idep.get("status") or {}).get("conditions") or []
+        found = next((c for c in conditions if c["type"] == "Degraded" and c["status"] == "True"), None)
+        return found if found and found["reason"] == "EngineFailing" else None
+
+    try:
+        condition = wait_for(degraded, timeout=120, what="Degraded=True, EngineFailing")
+        assert "no-such-model.gguf" in condition["message"], condition
+        status = platform.cluster.client.get("InferenceDeployment", "broken", NAMESPACE)["status"]
+        ready = next(c for c in status["conditions"] if c["type"] == "Ready")
+        assert ready["status"] == "False" and "no-such-model.gguf" in ready["message"]
+    finally:
+        platform.cluster.client.delete("InferenceDeployment", "broken", NAMESPACE)
