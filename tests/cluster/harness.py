@@ -35,10 +35,11 @@ from typing import Any, TypeVar
 
 import kmock
 
+from tests.cluster import leftovers
 from tests.cluster.apiserver import ClusterApiServer
 from tests.cluster.controllers import Controllers
 from tests.cluster.kube import KINDS, Client, crd_kind
-from tests.cluster.kubelet import Image, Kubelet
+from tests.cluster.kubelet import Image, Kubelet, die_with_parent
 from tests.cluster.network import Network
 from tests.cluster.proxy import ServiceProxy
 
@@ -65,7 +66,10 @@ class ClusterInABox:
         self, image_env: dict[str, str] | None = None, images: dict[str, Image] | None = None
     ) -> None:
         Network.sweep_stale()
+        leftovers.sweep()
+        self.leftovers = leftovers.Leftovers()
         self.root = Path(tempfile.mkdtemp(prefix="lpx-cluster-"))
+        self.leftovers.path_made(self.root)
         self.network = Network()
         self.proxy = ServiceProxy()
         self.loop = asyncio.new_event_loop()
@@ -101,6 +105,7 @@ class ClusterInABox:
             image_env=self._image_env,
             images=self._images,
         )
+        self.kubelet.on_path_made = self.leftovers.path_made
         self._control_thread.start()
         return self
 
@@ -121,6 +126,7 @@ class ClusterInABox:
             lambda: self._loop_thread.join(timeout=10),
             self.network.down,
             lambda: shutil.rmtree(self.root, ignore_errors=True),
+            self.leftovers.done,
         ]
         for step in steps:
             try:
@@ -203,7 +209,12 @@ class ClusterInABox:
         log = (self.root / log_name).open("ab")
         try:
             process = subprocess.Popen(
-                argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, **kwargs
+                argv,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=die_with_parent,  # dies with this process, however it ends
+                **kwargs,
             )
         finally:
             log.close()
@@ -237,6 +248,7 @@ class ClusterInABox:
         found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"))
         bindir = Path(found[-1]).parent if found else Path(shutil.which("initdb") or "initdb").parent
         root = Path(tempfile.mkdtemp(prefix="lpx-cluster-pg-"))
+        self.leftovers.path_made(root)
         self._cleanups.append(lambda: shutil.rmtree(root, ignore_errors=True))
         shutil.chown(root, "postgres")
         as_postgres = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
@@ -254,6 +266,8 @@ class ClusterInABox:
         )
         pg_ctl = [*as_postgres, str(bindir / "pg_ctl"), "-D", str(root / "data")]
         subprocess.run([*pg_ctl, "-o", options, "-l", str(root / "log"), "-w", "-t", "30", "start"], **run)
+        postmaster = int((root / "data" / "postmaster.pid").read_text().split()[0])
+        self.leftovers.daemon_started(postmaster, str(root))  # pg_ctl detached it: not our child
         self._cleanups.append(
             lambda: subprocess.run([*pg_ctl, "-m", "immediate", "stop"], capture_output=True, timeout=60)
         )

@@ -32,6 +32,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -73,7 +74,7 @@ def expand(text: str, env: dict[str, str]) -> str:
     return re.sub(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)", replace, text)
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
@@ -363,7 +364,7 @@ class PodRuntime:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,  # its own process group: deletion signals every process of the pod
-                preexec_fn=_die_with_parent,
+                preexec_fn=die_with_parent,
             )
         finally:
             log.close()
@@ -545,6 +546,7 @@ class Kubelet:
         self.grace_seconds = MAX_GRACE_SECONDS
         self.pods: dict[str, PodRuntime] = {}
         self._created_mountpoints: list[Path] = []
+        self.on_path_made: Callable[[Path], None] = lambda path: None  # the harness records it (leftovers)
         self._mountpoint_lock = threading.Lock()
 
     def kubeconfig(self, namespace: str) -> dict[str, Any]:
@@ -597,6 +599,8 @@ class Kubelet:
             else:
                 path.mkdir(parents=True)
             self._created_mountpoints.extend(missing)
+            for made in missing:
+                self.on_path_made(made)
 
     def step(self) -> None:
         pods = self.client.list("Pod")

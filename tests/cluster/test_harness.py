@@ -8,11 +8,13 @@ import base64
 import os
 import subprocess
 import uuid
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
+from tests.cluster import leftovers
 from tests.cluster.harness import ClusterInABox, wait_for
 from tests.cluster.kubelet import expand
 from tests.cluster.network import ETC_NETNS, Network
@@ -284,3 +286,26 @@ def test_sweep_removes_what_a_killed_run_left() -> None:
 def test_expand_follows_kubernetes_rules() -> None:
     env = {"A": "1", "B": "two"}
     assert expand("$(A)-$(B)-$(C)-$$(A)", env) == "1-two-$(C)-$(A)"
+
+
+def test_sweep_undoes_what_a_killed_run_recorded(tmp_path: Path) -> None:
+    made = tmp_path / "made-by-a-dead-run"
+    (made / "inside").mkdir(parents=True)
+    marker = f"lpx-sweep-{uuid.uuid4().hex}"
+    daemon = subprocess.Popen(["python3", "-c", "import time; time.sleep(300)", marker])
+    bystander = subprocess.Popen(["sleep", "300"])  # alive, recorded, but not carrying the marker
+    dead_pid = 2**22 + 11
+    state = leftovers.STATE_DIR / f"{dead_pid}.jsonl"
+    leftovers.STATE_DIR.mkdir(parents=True, exist_ok=True)
+    state.write_text(
+        f'{{"path": "{made}"}}\n{{"pid": {daemon.pid}, "marker": "{marker}"}}\n'
+        f'{{"pid": {bystander.pid}, "marker": "{marker}"}}\n'
+    )
+    try:
+        leftovers.sweep()
+        assert daemon.wait(10) == -9
+        assert bystander.poll() is None
+        assert not made.exists() and not state.exists()
+    finally:
+        bystander.kill()
+        daemon.kill()
