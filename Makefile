@@ -43,9 +43,16 @@ SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 $(CHROMIUM):
 	$(SUDO) env $(APT_CHROMIUM) || { $(SUDO) apt-get update && $(SUDO) env $(APT_CHROMIUM); }
 
+# tests/cluster runs pods in network namespaces (iproute2's `ip netns`, util-linux's mount) and the
+# walkthrough's commands use curl and jq; the tests run as root, as CI does.
+CLUSTER_TOOLS := /usr/bin/jq
+APT_CLUSTER := DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends iproute2 util-linux curl jq
+$(CLUSTER_TOOLS):
+	$(SUDO) env $(APT_CLUSTER) || { $(SUDO) apt-get update && $(SUDO) env $(APT_CLUSTER); }
+
 install: $(VENV)/.platform
 install-engine: $(VENV)/.engine
-install-dev: $(VENV)/.dev $(CHROMIUM)
+install-dev: $(VENV)/.dev $(CHROMIUM) $(CLUSTER_TOOLS)
 
 # Installs the platform and runs all of it on this machine (`loraplex up`): console, API, gateway and
 # one engine with SmolLM2-135M-Instruct, on http://127.0.0.1:$(PORT). Ctrl-C stops it.

@@ -589,6 +589,8 @@ class Kubelet:
     def ensure_mountpoint(self, target: str, is_file: bool = False) -> None:
         """Create a missing mount point on the host (a bind mount needs one); removed again at teardown."""
         path = Path(target)
+        if path.parts[1:2] == ("dev",):
+            return  # every pod has a private /dev (podinit.py): made there, never on the host
         with self._mountpoint_lock:
             if path.exists():
                 return

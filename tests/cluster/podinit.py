@@ -10,16 +10,39 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import subprocess
 import sys
+
+# A container's /dev is a fresh tmpfs with the usual device nodes, so files a pod puts there (its
+# termination log) never appear in the host's /dev, where other processes would see them.
+DEVICES = {"null": (1, 3), "zero": (1, 5), "full": (1, 7), "random": (1, 8), "urandom": (1, 9), "tty": (5, 0)}
+
+
+def private_dev() -> None:
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "mode=755,nosuid", "tmpfs", "/dev"], check=True)
+    for name, (major, minor) in DEVICES.items():
+        os.mknod(f"/dev/{name}", stat.S_IFCHR | 0o666, os.makedev(major, minor))
+        os.chmod(f"/dev/{name}", 0o666)  # mknod's mode is masked by the umask
+    os.mkdir("/dev/shm")
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "mode=1777,nosuid,nodev", "tmpfs", "/dev/shm"], check=True)
+    for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
+                         ("stderr", "/proc/self/fd/2")):  # fmt: skip
+        os.symlink(target, f"/dev/{name}")
 
 
 def main(spec_path: str) -> None:
     with open(spec_path) as handle:
         spec = json.load(handle)
+    private_dev()
     # Every source is opened before anything is mounted: a volume at /tmp must not hide a source under /tmp.
     sources = [os.open(source, os.O_PATH) for source, _, _ in spec["mounts"]]
-    for fd, (_, target, read_only) in zip(sources, spec["mounts"], strict=True):
+    for fd, (source, target, read_only) in zip(sources, spec["mounts"], strict=True):
+        if target.startswith("/dev/") and not os.path.exists(target):  # inside the private /dev
+            if os.path.isdir(source):
+                os.makedirs(target)
+            else:
+                open(target, "w").close()
         subprocess.run(["mount", "--bind", f"/proc/self/fd/{fd}", target], check=True, pass_fds=[fd])
         if read_only:
             subprocess.run(["mount", "-o", "remount,bind,ro", target], check=True)
