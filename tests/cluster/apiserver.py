@@ -94,7 +94,7 @@ class ClusterApiServer(HelmableApiServer):
         self, raw_request: aiohttp.web.BaseRequest, known: dict[str, dict[str, Any]]
     ) -> aiohttp.web.StreamResponse:
         response = aiohttp.web.StreamResponse(headers={"Content-Type": "application/json"})
-        await response.prepare(raw_request)  # type: ignore[arg-type]
+        await response.prepare(raw_request)
         sent: set[str] = set()
         deadline = asyncio.get_running_loop().time() + float(raw_request.query.get("timeoutSeconds") or 300)
         try:

@@ -49,7 +49,7 @@ TICK = 0.25
 REPO = Path(__file__).resolve().parents[2]
 
 
-def wait_for(check: Callable[[], T], timeout: float = 60.0, interval: float = 0.2, what: str = "") -> T:
+def wait_for(check: Callable[[], Any], timeout: float = 60.0, interval: float = 0.2, what: str = "") -> Any:
     """Poll `check` until it returns something truthy; fail with `what` after `timeout` seconds."""
     deadline = time.monotonic() + timeout
     last: Any = None
@@ -79,7 +79,7 @@ class ClusterInABox:
         self._image_env = image_env or {}
         self._images = images or {}
         self._children: list[subprocess.Popen[bytes]] = []
-        self._cleanups: list[Callable[[], None]] = []
+        self._cleanups: list[Callable[[], object]] = []
         self._started = False
         self.url = ""
         self.errors: list[str] = []
@@ -115,7 +115,7 @@ class ClusterInABox:
             return
         self._started = False
         self._stopping.set()
-        steps: list[Callable[[], None]] = [
+        steps: list[Callable[[], object]] = [
             lambda: self._control_thread.join(timeout=30),
             lambda: self.kubelet.shutdown(),
             *reversed(self._cleanups),
@@ -252,7 +252,7 @@ class ClusterInABox:
         self._cleanups.append(lambda: shutil.rmtree(root, ignore_errors=True))
         shutil.chown(root, "postgres")
         as_postgres = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
-        run = {"check": True, "capture_output": True, "timeout": 60}
+        run: dict[str, Any] = {"check": True, "capture_output": True, "timeout": 60}
         subprocess.run(
             [*as_postgres, str(bindir / "initdb"), "-D", str(root / "data"), "-U", "postgres",
              "--auth=trust", "--no-sync", "-E", "UTF8"],

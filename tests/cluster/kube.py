@@ -128,7 +128,7 @@ class Client:
 
     def get(self, kind: str, name: str, namespace: str | None = None) -> dict[str, Any] | None:
         try:
-            return self._request("GET", self.path(kind, namespace or self.namespace, name))  # type: ignore[no-any-return]
+            return self._request("GET", self.path(kind, namespace or self.namespace, name))
         except ApiError as error:
             if error.status == 404:
                 return None
@@ -146,13 +146,13 @@ class Client:
         ns = obj.get("metadata", {}).get("namespace") or namespace or self.namespace
         if KINDS[obj["kind"]].namespaced:
             obj.setdefault("metadata", {})["namespace"] = ns
-        return self._request("POST", self.path(obj["kind"], ns), obj)  # type: ignore[no-any-return]
+        return self._request("POST", self.path(obj["kind"], ns), obj)
 
     def patch(
         self, kind: str, name: str, patch: dict[str, Any], namespace: str | None = None, sub: str = ""
     ) -> dict[str, Any]:
         path = self.path(kind, namespace or self.namespace, name, sub)
-        return self._request("PATCH", path, patch, "application/merge-patch+json")  # type: ignore[no-any-return]
+        return self._request("PATCH", path, patch, "application/merge-patch+json")
 
     def delete(self, kind: str, name: str, namespace: str | None = None) -> bool:
         try:

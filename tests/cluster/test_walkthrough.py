@@ -30,6 +30,7 @@ import psycopg
 import pytest
 import yaml
 from openai import APIError, OpenAI
+from openai.types.chat import ChatCompletionMessageParam
 
 from tests.cluster.harness import REPO, ClusterInABox, wait_for
 
@@ -41,7 +42,7 @@ NAMESPACE = "loraplex"
 ENGINES = {"app.kubernetes.io/name": "loraplex-engine", "app.kubernetes.io/instance": "smollm2"}
 WEB = {"app.kubernetes.io/name": "loraplex-web"}
 DEMO = REPO / "fixtures" / "adapters" / "demo-uppercase"
-QUESTION = [{"role": "user", "content": "Name two colours of the sky."}]
+QUESTION: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Name two colours of the sky."}]
 
 
 def uppercase_share(text: str) -> float:
@@ -357,8 +358,8 @@ def test_a_model_uri_that_does_not_resolve_is_reported_in_the_status(platform: P
     try:
         condition = wait_for(degraded, timeout=120, what="Degraded=True, EngineFailing")
         assert "no-such-model.gguf" in condition["message"], condition
-        status = platform.cluster.client.get("InferenceDeployment", "broken", NAMESPACE)["status"]
-        ready = next(c for c in status["conditions"] if c["type"] == "Ready")
+        idep = platform.cluster.client.get("InferenceDeployment", "broken", NAMESPACE) or {}
+        ready = next(c for c in idep["status"]["conditions"] if c["type"] == "Ready")
         assert ready["status"] == "False" and "no-such-model.gguf" in ready["message"]
     finally:
         platform.cluster.client.delete("InferenceDeployment", "broken", NAMESPACE)
