@@ -95,6 +95,7 @@ def kubectl(argv: list[str]) -> int:
         "rollout": _rollout,
         "port-forward": _port_forward,
         "delete": _delete,
+        "patch": _patch,
     }
     if args.verb not in handlers:
         print(f"error: kubectl {args.verb} is not part of the harness's kubectl", file=sys.stderr)
@@ -264,6 +265,22 @@ def _rollout(client: Client, namespace: str, rest: list[str]) -> int:
 
     _wait(done, _seconds(args.timeout), f"{kind.lower()}/{name} to roll out")
     print(f'{kind.lower()} "{name}" successfully rolled out')
+    return 0
+
+
+def _patch(client: Client, namespace: str, rest: list[str]) -> int:
+    kind, name, options = _resource(rest)
+    parser = argparse.ArgumentParser(prog="kubectl patch")
+    parser.add_argument("--type", default="strategic")
+    parser.add_argument("-p", "--patch", required=True)
+    args = parser.parse_args(options)
+    if args.type != "merge" or not name:
+        print(
+            "error: the harness's kubectl applies `--type merge` patches to one named object", file=sys.stderr
+        )
+        return 1
+    client.patch(kind, name, json.loads(args.patch), namespace)
+    print(f"{kind.lower()}/{name} patched")
     return 0
 
 

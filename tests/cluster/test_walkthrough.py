@@ -72,11 +72,28 @@ def test_the_doc_parses_into_files_and_steps() -> None:
     )
 
 
+def doc_block(markdown: str, marker: str) -> str:
+    """The code block after `<!-- marker -->`."""
+    match = re.search(rf"<!-- {marker} -->\n```\w*\n(.*?)```", markdown, re.DOTALL)
+    assert match is not None, f"docs/kubernetes.md has no <!-- {marker} --> block"
+    return match.group(1)
+
+
 @dataclass
 class Platform:
     cluster: ClusterInABox
     output: str
     admin_token: str
+    shell: list[str]  # bash in the workstation namespace, as the walkthrough ran
+    env: dict[str, str]
+    workdir: Path
+
+    def run_doc_commands(self, script: str) -> str:
+        done = subprocess.run(
+            [*self.shell, script], cwd=self.workdir, env=self.env, capture_output=True, text=True, timeout=60
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
+        return done.stdout
 
     def web_urls(self) -> list[str]:
         pods = sorted(self.cluster.pods(WEB, NAMESPACE), key=lambda p: p["metadata"]["name"])
@@ -134,9 +151,10 @@ def platform(cluster: ClusterInABox, tmp_path_factory: pytest.TempPathFactory) -
         "LANG": "C.UTF-8",
     }
     log = workdir / "walkthrough.log"
+    shell = ["ip", "netns", "exec", workstation, "bash", "-euxo", "pipefail", "-c"]
     with log.open("w") as sink:
         process = subprocess.Popen(
-            ["ip", "netns", "exec", workstation, "bash", "-euxo", "pipefail", "-c", script],
+            [*shell, script],
             cwd=workdir,
             env=env,
             stdout=sink,
@@ -158,7 +176,7 @@ def platform(cluster: ClusterInABox, tmp_path_factory: pytest.TempPathFactory) -
     assert secret is not None
     from tests.cluster.kube import secret_data
 
-    yield Platform(cluster, output, secret_data(secret)["admin-token"])
+    yield Platform(cluster, output, secret_data(secret)["admin-token"], shell, env, workdir)
 
 
 class _suppress:
@@ -289,9 +307,7 @@ def test_an_adapter_stays_on_one_pod_and_moves_when_that_pod_is_deleted(platform
 
 
 def test_scaling_the_inference_deployment_to_3_adds_the_pod_to_routing(platform: Platform) -> None:
-    platform.cluster.client.patch(
-        "InferenceDeployment", "smollm2", {"spec": {"replicas": {"min": 3, "max": 3}}}, NAMESPACE
-    )
+    print(platform.run_doc_commands(doc_block(DOC.read_text(), "scale")))  # the doc's own patch command
     engines = wait_for(
         lambda: len(platform.ready_engines()) == 3 and platform.ready_engines(),
         timeout=300,
