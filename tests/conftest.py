@@ -24,6 +24,20 @@ def smollm2():
 
 
 @pytest.fixture(scope="session")
+def engine_factory(smollm2):
+    """engine_factory(**EngineConfig overrides) -> a maker of engines on the session's SmolLM2 weights,
+    each with its own small pool (the engine servers of tests/engine/server and tests/security)."""
+    from loraplex.engine.config import EngineConfig
+    from loraplex.engine.engine import LLMEngine
+
+    def factory(**overrides):
+        config = {"device": "cpu", "dtype": "float32", "num_pages": 256, "max_num_seqs": 32, **overrides}
+        return lambda: LLMEngine(EngineConfig(**config), loaded=smollm2)
+
+    return factory
+
+
+@pytest.fixture(scope="session")
 def hf_smollm2():
     """The same GGUF loaded by transformers: the parity reference."""
     import torch

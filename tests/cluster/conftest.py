@@ -38,7 +38,9 @@ def images() -> dict[str, Image]:
     }
 
 
-@pytest.fixture(scope="session")
+# One box per test module: the walkthrough's engines (gigabytes of memory) stop when its module ends,
+# not at the end of the whole session.
+@pytest.fixture(scope="module")
 def cluster() -> Iterator[ClusterInABox]:
     # Nothing outside the box is reachable: the engines load SmolLM2 from the image, never from a hub.
     box = ClusterInABox(image_env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}, images=images())

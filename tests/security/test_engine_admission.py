@@ -11,14 +11,12 @@ from __future__ import annotations
 import concurrent.futures
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
 
-from loraplex.engine.config import EngineConfig
-from loraplex.engine.engine import LLMEngine
 from tests.engine.server.conftest import BASE, DEMO_ADAPTER, INTERNAL, TOKEN, Server, running_server
 
 PAGE = 16
@@ -26,20 +24,10 @@ NUM_PAGES = 96
 
 
 @pytest.fixture(scope="module")
-def server(smollm2: Any) -> Iterator[Server]:
-    def factory(**overrides: Any) -> Callable[[], LLMEngine]:
-        config = {
-            "device": "cpu",
-            "dtype": "float32",
-            "num_pages": NUM_PAGES,
-            "page_size": PAGE,
-            "max_num_seqs": 8,
-            **overrides,
-        }
-        return lambda: LLMEngine(EngineConfig(**config), loaded=smollm2)
-
+def server(engine_factory: Any) -> Iterator[Server]:
+    engine = {"num_pages": NUM_PAGES, "page_size": PAGE, "max_num_seqs": 8}
     with running_server(
-        factory, None, internal_token=TOKEN, adapters=[f"uppercase={DEMO_ADAPTER}"]
+        engine_factory, engine, internal_token=TOKEN, adapters=[f"uppercase={DEMO_ADAPTER}"]
     ) as shared:
         yield shared
 

@@ -25,8 +25,6 @@ from openai.types.chat import ChatCompletionMessageParam
 from safetensors.torch import load_file, save_file
 
 from loraplex.adapters.digest import adapter_digest
-from loraplex.engine.config import EngineConfig
-from loraplex.engine.engine import LLMEngine
 from tests.engine.server.conftest import BASE, DEMO_ADAPTER, INTERNAL, TOKEN, Server, running_server
 
 WEIGHTS = "adapter_model.safetensors"
@@ -34,13 +32,10 @@ QUESTION: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Name 
 
 
 @pytest.fixture(scope="module")
-def server(smollm2: Any) -> Iterator[Server]:
-    def factory(**overrides: Any) -> Callable[[], LLMEngine]:
-        config = {"device": "cpu", "dtype": "float32", "num_pages": 256, "max_num_seqs": 32, **overrides}
-        return lambda: LLMEngine(EngineConfig(**config), loaded=smollm2)
-
+def server(engine_factory: Any) -> Iterator[Server]:
+    engine = {"num_pages": 256, "max_num_seqs": 32}
     with running_server(
-        factory, None, internal_token=TOKEN, adapters=[f"uppercase={DEMO_ADAPTER}"], max_queue=64
+        engine_factory, engine, internal_token=TOKEN, adapters=[f"uppercase={DEMO_ADAPTER}"], max_queue=64
     ) as shared:
         yield shared
 

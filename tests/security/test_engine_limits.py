@@ -12,15 +12,13 @@ import json
 import socket
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 from urllib.parse import urlparse
 
 import httpx
 import pytest
 
-from loraplex.engine.config import EngineConfig
-from loraplex.engine.engine import LLMEngine
 from loraplex.engine.server import limits
 from loraplex.engine.server.app import BodySizeLimit
 from tests.engine.server.conftest import BASE, INTERNAL, TOKEN, Server, running_server
@@ -29,12 +27,9 @@ QUESTION = [{"role": "user", "content": "Say hi."}]
 
 
 @pytest.fixture(scope="module")
-def server(smollm2: Any) -> Iterator[Server]:
-    def factory(**overrides: Any) -> Callable[[], LLMEngine]:
-        config = {"device": "cpu", "dtype": "float32", "num_pages": 128, "max_num_seqs": 8, **overrides}
-        return lambda: LLMEngine(EngineConfig(**config), loaded=smollm2)
-
-    with running_server(factory, None, internal_token=TOKEN) as shared:
+def server(engine_factory: Any) -> Iterator[Server]:
+    engine = {"num_pages": 128, "max_num_seqs": 8}
+    with running_server(engine_factory, engine, internal_token=TOKEN) as shared:
         yield shared
 
 

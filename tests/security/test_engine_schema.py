@@ -7,33 +7,21 @@ reach the routes, the engine and its adapter registry, not only the token check.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 
-from loraplex.engine.config import EngineConfig
-from loraplex.engine.engine import LLMEngine
 from tests.engine.server.conftest import DEMO_ADAPTER, INTERNAL, TOKEN, Server, running_server
 
 
 @pytest.fixture(scope="module")
-def server(smollm2: Any) -> Iterator[Server]:
-    def factory(**overrides: Any) -> Callable[[], LLMEngine]:
-        config = {
-            "device": "cpu",
-            "dtype": "float32",
-            "num_pages": 64,
-            "max_num_seqs": 8,
-            "max_model_len": 48,
-            **overrides,
-        }
-        return lambda: LLMEngine(EngineConfig(**config), loaded=smollm2)
-
+def server(engine_factory: Any) -> Iterator[Server]:
+    engine = {"num_pages": 64, "max_num_seqs": 8, "max_model_len": 48}
     with running_server(
-        factory, None, internal_token=TOKEN, adapters=[f"uppercase={DEMO_ADAPTER}"]
+        engine_factory, engine, internal_token=TOKEN, adapters=[f"uppercase={DEMO_ADAPTER}"]
     ) as shared:
         yield shared
 

@@ -8,14 +8,12 @@ On a cluster every engine pod has the token and only the gateway holds it, so a 
 from __future__ import annotations
 
 import hmac
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
 
-from loraplex.engine.config import EngineConfig
-from loraplex.engine.engine import LLMEngine
 from loraplex.engine.server import app as server_app
 from tests.engine.server.conftest import BASE, INTERNAL, TOKEN, Server, running_server
 
@@ -34,12 +32,9 @@ INFERENCE = [
 
 
 @pytest.fixture(scope="module")
-def server(smollm2: Any) -> Iterator[Server]:
-    def factory(**overrides: Any) -> Callable[[], LLMEngine]:
-        config = {"device": "cpu", "dtype": "float32", "num_pages": 64, "max_num_seqs": 4, **overrides}
-        return lambda: LLMEngine(EngineConfig(**config), loaded=smollm2)
-
-    with running_server(factory, None, internal_token=TOKEN) as shared:
+def server(engine_factory: Any) -> Iterator[Server]:
+    engine = {"num_pages": 64, "max_num_seqs": 4}
+    with running_server(engine_factory, engine, internal_token=TOKEN) as shared:
         yield shared
 
 

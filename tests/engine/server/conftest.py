@@ -19,7 +19,6 @@ import httpx
 import pytest
 import uvicorn
 
-from loraplex.engine.config import EngineConfig
 from loraplex.engine.engine import LLMEngine
 from loraplex.engine.server.app import ServerState, create_app
 from loraplex.engine.server.settings import ServerSettings
@@ -104,17 +103,6 @@ def serving(app: Any, ready_timeout_s: float = 120.0, wait_ready: bool = True) -
 
 
 ServerFactory = Callable[..., Any]
-
-
-@pytest.fixture(scope="session")
-def engine_factory(smollm2: Any) -> Callable[..., Callable[[], LLMEngine]]:
-    """Engines on the session's SmolLM2 weights, each with its own small pool."""
-
-    def factory(**overrides: Any) -> Callable[[], LLMEngine]:
-        config = {"device": "cpu", "dtype": "float32", "num_pages": 256, "max_num_seqs": 32, **overrides}
-        return lambda: LLMEngine(EngineConfig(**config), loaded=smollm2)
-
-    return factory
 
 
 @contextmanager
