@@ -18,7 +18,7 @@ from pathlib import Path
 STATE_DIR = Path("/run/lpx-cluster")
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -55,11 +55,11 @@ def sweep() -> list[str]:
     if not STATE_DIR.is_dir():
         return removed
     for state in STATE_DIR.glob("*.jsonl"):
-        if not state.stem.isdigit() or _alive(int(state.stem)):
+        if not state.stem.isdigit() or pid_alive(int(state.stem)):
             continue
         records = [json.loads(line) for line in state.read_text().splitlines() if line.strip()]
         for record in records:
-            if "pid" in record and _alive(record["pid"]):
+            if "pid" in record and pid_alive(record["pid"]):
                 with contextlib.suppress(OSError):
                     cmdline = (
                         Path(f"/proc/{record['pid']}/cmdline").read_bytes().replace(b"\0", b" ").decode()

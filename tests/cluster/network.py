@@ -19,6 +19,8 @@ import subprocess
 import threading
 from pathlib import Path
 
+from tests.cluster.leftovers import pid_alive
+
 NETNS_DIR = Path("/var/run/netns")
 ETC_NETNS = Path("/etc/netns")
 PREFIX = "lpx"
@@ -30,16 +32,6 @@ def ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     if check and result.returncode != 0:
         raise RuntimeError(f"ip {' '.join(args)}: {result.stderr.strip()}")
     return result
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class Network:
@@ -95,7 +87,7 @@ class Network:
         }
         for name in sorted(names):
             match = re.match(rf"{PREFIX}(\d+)", name)
-            if match is None or _alive(int(match.group(1))):
+            if match is None or pid_alive(int(match.group(1))):
                 continue
             if name in listing:
                 ip("netns", "del", name, check=False)

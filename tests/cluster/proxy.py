@@ -40,27 +40,30 @@ class _Listener:
                 client.close()
                 continue
             target = endpoints[next(self._turn) % len(endpoints)]
-            threading.Thread(target=self._connect, args=(client, target), daemon=True).start()
-
-    def _connect(self, client: socket.socket, target: tuple[str, int]) -> None:
-        try:
-            upstream = socket.create_connection(target, timeout=5)
-        except OSError:
-            client.close()
-            return
-        upstream.settimeout(None)
-        request = threading.Thread(target=_pipe, args=(client, upstream), daemon=True)
-        request.start()
-        _pipe(upstream, client)
-        request.join()
-        client.close()
-        upstream.close()
+            threading.Thread(target=forward, args=(client, target, 5), daemon=True).start()
 
     def close(self) -> None:
         self.closed = True
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
         self.sock.close()
+
+
+def forward(client: socket.socket, target: tuple[str, int], connect_timeout_s: float) -> None:
+    """Connect to `target` and copy bytes both ways until either side closes (kube-proxy's and
+    port-forward's job); the client is closed if the target cannot be reached."""
+    try:
+        upstream = socket.create_connection(target, timeout=connect_timeout_s)
+    except OSError:
+        client.close()
+        return
+    upstream.settimeout(None)
+    request = threading.Thread(target=_pipe, args=(client, upstream), daemon=True)
+    request.start()
+    _pipe(upstream, client)
+    request.join()
+    client.close()
+    upstream.close()
 
 
 def _pipe(source: socket.socket, sink: socket.socket) -> None:

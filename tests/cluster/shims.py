@@ -295,6 +295,8 @@ def _delete(client: Client, namespace: str, rest: list[str]) -> int:
 
 def _port_forward(client: Client, namespace: str, rest: list[str]) -> int:
     """Listen on 127.0.0.1:LOCAL and pipe each connection to the Service's (or Pod's) address."""
+    from tests.cluster.proxy import forward
+
     target, ports = rest[0], rest[1]
     local, _, remote = ports.partition(":")
     kind, name, _ = _resource([target])
@@ -310,26 +312,8 @@ def _port_forward(client: Client, namespace: str, rest: list[str]) -> int:
     print(f"Forwarding from 127.0.0.1:{local} -> {remote or local}", flush=True)
     while True:
         connection, _ = server.accept()
-        threading.Thread(
-            target=_forward, args=(connection, (address, int(remote or local))), daemon=True
-        ).start()
-
-
-def _forward(connection: socket.socket, target: tuple[str, int]) -> None:
-    from tests.cluster.proxy import _pipe
-
-    try:
-        upstream = socket.create_connection(target, timeout=10)
-    except OSError:
-        connection.close()
-        return
-    upstream.settimeout(None)
-    back = threading.Thread(target=_pipe, args=(upstream, connection), daemon=True)
-    back.start()
-    _pipe(connection, upstream)
-    back.join()
-    connection.close()
-    upstream.close()
+        destination = (address, int(remote or local))
+        threading.Thread(target=forward, args=(connection, destination, 10), daemon=True).start()
 
 
 # --- helm -------------------------------------------------------------------------------------------------
