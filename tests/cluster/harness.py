@@ -27,7 +27,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 from collections.abc import Callable, Coroutine
 from concurrent.futures import Future
 from pathlib import Path
@@ -42,23 +41,12 @@ from tests.cluster.kube import KINDS, Client, crd_kind
 from tests.cluster.kubelet import Image, Kubelet, die_with_parent
 from tests.cluster.network import Network
 from tests.cluster.proxy import ServiceProxy
+from tests.operator.cluster import wait_for
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 TICK = 0.25
 REPO = Path(__file__).resolve().parents[2]
-
-
-def wait_for(check: Callable[[], Any], timeout: float = 60.0, interval: float = 0.2, what: str = "") -> Any:
-    """Poll `check` until it returns something truthy; fail with `what` after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = check()
-        if last:
-            return last
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what or check}; last value: {last!r}")
 
 
 class ClusterInABox:

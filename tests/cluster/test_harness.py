@@ -303,6 +303,8 @@ def test_sweep_undoes_what_a_killed_run_recorded(tmp_path: Path) -> None:
         f'{{"path": "{made}"}}\n{{"pid": {daemon.pid}, "marker": "{marker}"}}\n'
         f'{{"pid": {bystander.pid}, "marker": "{marker}"}}\n'
     )
+    # Until its exec completes, the child's /proc cmdline is still pytest's: sweep only a marked daemon.
+    wait_for(lambda: marker.encode() in Path(f"/proc/{daemon.pid}/cmdline").read_bytes(), 10, 0.01, "exec")
     try:
         leftovers.sweep()
         assert daemon.wait(10) == -9

@@ -18,7 +18,6 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from sqlalchemy import select
 
 from loraplex.web.db.models import UsageRecord
 from loraplex.web.services import quotas
@@ -32,6 +31,7 @@ from tests.web.conftest import (  # noqa: F401  (fixtures)
     pg_admin_url,
     pg_template,
     pg_url,
+    recorded_usage,
     sqlite_template,
     sqlite_url,
 )
@@ -59,13 +59,7 @@ class Gateway:
             return quotas.tokens_by_minute(session, self.tenant_id)
 
     def usage(self, count: int, timeout: float = 10.0) -> list[UsageRecord]:
-        deadline = time.monotonic() + timeout
-        while True:
-            with self.app.state.db.session() as session:
-                rows = list(session.scalars(select(UsageRecord).order_by(UsageRecord.id)))
-            if len(rows) >= count or time.monotonic() > deadline:
-                return rows
-            time.sleep(0.05)
+        return recorded_usage(self.app, count, timeout)
 
     def wait_for_ledger(self, expected: dict[int, int], timeout: float = 10.0) -> None:
         deadline = time.monotonic() + timeout

@@ -27,6 +27,24 @@ ADMIN_TOKEN = "admin-test-token"
 ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 
 
+def recorded_usage(app: FastAPI, count: int = 1, timeout: float = 10.0) -> list[Any]:
+    """The usage rows, once at least `count` are recorded (the gateway writes them after the response
+    ends), or whatever is there after `timeout` seconds."""
+    import time
+
+    from sqlalchemy import select
+
+    from loraplex.web.db.models import UsageRecord
+
+    deadline = time.monotonic() + timeout
+    while True:
+        with app.state.db.session() as session:
+            rows = list(session.scalars(select(UsageRecord).order_by(UsageRecord.id)))
+        if len(rows) >= count or time.monotonic() > deadline:
+            return rows
+        time.sleep(0.05)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

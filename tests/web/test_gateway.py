@@ -22,7 +22,7 @@ from loraplex.web.services.gateway import estimate_tokens
 from loraplex.web.services.routing import rendezvous_order
 
 from ..security.engine_stub import Engine
-from .conftest import ADMIN, SHAPE, Api, free_port, loose, upload
+from .conftest import ADMIN, SHAPE, Api, free_port, loose, recorded_usage, upload
 from .console_client import make_user, sign_in
 from .servers import StubEngine, serve
 
@@ -45,13 +45,7 @@ class Setup:
         return {"Authorization": f"Bearer {self.key}"}
 
     def usage(self, timeout: float = 10.0, count: int = 1) -> list[UsageRecord]:
-        deadline = time.monotonic() + timeout
-        while True:
-            with self.app.state.db.session() as session:
-                rows = list(session.scalars(select(UsageRecord).order_by(UsageRecord.id)))
-            if len(rows) >= count or time.monotonic() > deadline:
-                return rows
-            time.sleep(0.05)
+        return recorded_usage(self.app, count, timeout)
 
 
 @pytest.fixture
