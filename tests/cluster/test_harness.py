@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import os
 import subprocess
+import sys
 import uuid
 from pathlib import Path
 from typing import Any
@@ -294,7 +295,8 @@ def test_sweep_undoes_what_a_killed_run_recorded(tmp_path: Path) -> None:
     made = tmp_path / "made-by-a-dead-run"
     (made / "inside").mkdir(parents=True)
     marker = f"lpx-sweep-{uuid.uuid4().hex}"
-    daemon = subprocess.Popen(["python3", "-c", "import time; time.sleep(300)", marker])
+    # sys.executable, not `python3`: a pyenv shim runs bash scripts (with forks) before the real exec.
+    daemon = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)", marker])
     bystander = subprocess.Popen(["sleep", "300"])  # alive, recorded, but not carrying the marker
     dead_pid = 2**22 + 11
     state = leftovers.STATE_DIR / f"{dead_pid}.jsonl"
