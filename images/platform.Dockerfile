@@ -15,6 +15,7 @@ COPY web/ web/
 COPY cli/ cli/
 COPY bench/ bench/
 COPY migrations/ migrations/
+COPY wire/ wire/
 RUN python -m build --wheel --outdir /dist
 
 # --- 2: a virtual environment with the wheel and its extras ------------------------------------------------

@@ -1,0 +1,219 @@
+"""The gateway ↔ engine wire contract: what the control plane sends an engine, and what an engine answers.
+
+Both sides import these names and neither spells one of them itself, so the contract cannot drift:
+- headers: the internal token that makes the engine trust the others, the tenant, and the adapter (its
+  id, artifact URI and content digest), built by `request_headers` and read by `adapter_from_headers`;
+- adapter names: an adapter the gateway routes is registered on the engine as `id:<adapter id>`, a name
+  no engine flag and no tenant body can take (`adapter_name`, `adapter_id_of`);
+- errors: OpenAI's error body (`WireError`, `error_body`, `parse_error`) with the codes that say whose
+  fault a failure is: `adapter_failed` (422: the gateway marks the adapter failed), `adapter_unavailable`
+  (503: the store could not be read, nothing is marked), `engine_error`, and the rest below;
+- the engine's internal adapter endpoints: their paths and bodies (`ADAPTERS_PATH`, `adapter_path`,
+  `AdapterRegistration`, `AdapterEntry`).
+
+Plain constants, dataclasses and pure functions: no torch, no pydantic, no web framework, so the control
+plane imports it without the engine's dependencies (tests/test_wire.py proves it).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, TypedDict
+from urllib.parse import quote
+
+# -- headers ---------------------------------------------------------------------------------------------
+
+INTERNAL_TOKEN_HEADER = "X-Loraplex-Internal-Token"
+TENANT_HEADER = "X-Loraplex-Tenant"
+ADAPTER_ID_HEADER = "X-Loraplex-Adapter-Id"
+ADAPTER_URI_HEADER = "X-Loraplex-Adapter-Uri"
+ADAPTER_SHA256_HEADER = "X-Loraplex-Adapter-Sha256"
+# What only the gateway may say: an engine refuses these without the right internal token.
+GATEWAY_HEADERS = (TENANT_HEADER, ADAPTER_ID_HEADER, ADAPTER_URI_HEADER, ADAPTER_SHA256_HEADER)
+
+# -- error types (OpenAI's `type`) and codes (its `code`) --------------------------------------------------
+
+INVALID_REQUEST = "invalid_request_error"
+SERVER_ERROR = "server_error"
+PERMISSION_ERROR = "permission_error"
+RATE_LIMITED = "rate_limit_exceeded"
+
+# Whose fault a failed adapter is; the gateway acts on these two.
+ADAPTER_FAILED = "adapter_failed"  # the adapter itself: refused until other weights come, marked failed
+ADAPTER_UNAVAILABLE = "adapter_unavailable"  # its store could not be read: retry later, nothing marked
+ADAPTER_FAILED_STATUS = 422
+ADAPTER_UNAVAILABLE_STATUS = 503
+ENGINE_ERROR = "engine_error"  # the engine failed the request (or its stream broke off)
+NOT_READY = "not_ready"  # loading or draining: 503 with Retry-After
+QUEUE_FULL = "queue_full"  # 429 with Retry-After
+MODEL_NOT_FOUND = "model_not_found"
+LIMIT_EXCEEDED = "limit_exceeded"  # a cap of engine/server/limits.py
+REQUEST_TOO_LARGE = "request_too_large"  # the body (413), or more tokens than a quota could ever allow
+RATE_LIMIT_EXCEEDED = "rate_limit_exceeded"  # a tenant's quota
+INVALID_API_KEY = "invalid_api_key"
+MISSING_INTERNAL_TOKEN = "missing_internal_token"
+INVALID_INTERNAL_TOKEN = "invalid_internal_token"
+INTERNAL_TOKEN_NOT_CONFIGURED = "internal_token_not_configured"
+ADAPTER_URI_MISSING = "adapter_uri_missing"
+ADAPTER_SHA256_INVALID = "adapter_sha256_invalid"
+ADAPTER_NOT_FOUND = "adapter_not_found"  # unregistering a name the engine does not hold
+ADAPTER_IN_USE = "adapter_in_use"  # unregistering an adapter running requests use
+
+
+@dataclass(frozen=True)
+class WireError:
+    """OpenAI's error object: {"error": {"message", "type", "param", "code"}}."""
+
+    message: str
+    type: str = INVALID_REQUEST
+    code: str | None = None
+    param: str | None = None
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    @classmethod
+    def from_body(cls, body: object) -> WireError | None:
+        """The error in a parsed JSON body (or SSE event), if it holds one; odd fields read as absent."""
+        error = body.get("error") if isinstance(body, dict) else None
+        if not isinstance(error, dict):
+            return None
+
+        def text(key: str) -> str | None:
+            value = error.get(key)
+            return value if isinstance(value, str) else None
+
+        return cls(text("message") or "", text("type") or SERVER_ERROR, text("code"), text("param"))
+
+
+def error_body(message: str, kind: str, code: str | None = None, param: str | None = None) -> dict[str, Any]:
+    return WireError(message, kind, code, param).body()
+
+
+def parse_error(content: bytes) -> WireError | None:
+    """The error of an OpenAI error body as bytes, if it is one (anything else, broken JSON too: None)."""
+    try:
+        return WireError.from_body(json.loads(content))
+    except (ValueError, RecursionError):
+        return None
+
+
+# -- adapters on the engine --------------------------------------------------------------------------------
+
+# An adapter the gateway routes is registered on the engine under this prefix and its id: names are the
+# engine's keys for registrations and failures, and no adapter given by a flag may take one.
+ADAPTER_NAME_PREFIX = "id:"
+MAX_ADAPTER_NAME_CHARS = 512
+MAX_ADAPTER_URI_CHARS = 4096
+
+
+def adapter_name(adapter_id: uuid.UUID | str) -> str:
+    """The engine's name for the gateway's adapter `adapter_id`."""
+    text = str(adapter_id)
+    if not text:
+        raise ValueError("an adapter id must not be empty")
+    return ADAPTER_NAME_PREFIX + text
+
+
+def adapter_id_of(name: str) -> str | None:
+    """The adapter id in an engine name the gateway made; None for any other name."""
+    if not name.startswith(ADAPTER_NAME_PREFIX) or len(name) == len(ADAPTER_NAME_PREFIX):
+        return None
+    return name[len(ADAPTER_NAME_PREFIX) :]
+
+
+def is_gateway_adapter(name: str) -> bool:
+    """Whether `name` is in the gateway's part of the engine's names (reserved, hidden from /v1/models)."""
+    return name.startswith(ADAPTER_NAME_PREFIX)
+
+
+def is_sha256(value: str) -> bool:
+    """64 hex digits, checked without a regular expression a long header could slow down."""
+    return len(value) == 64 and all(c in "0123456789abcdefABCDEF" for c in value)
+
+
+@dataclass(frozen=True)
+class AdapterRef:
+    """An adapter as the gateway hands it to an engine: its id, where its artifact is, and its digest."""
+
+    adapter_id: str
+    uri: str
+    sha256: str | None = None
+
+    @property
+    def name(self) -> str:
+        return adapter_name(self.adapter_id)
+
+
+class BadHeaders(ValueError):
+    """Gateway headers that break the contract: `code` is the error code an engine answers (400)."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+def request_headers(internal_token: str, tenant: str, adapter: AdapterRef | None = None) -> dict[str, str]:
+    """The headers the gateway sends with a request: trust, tenant, and the adapter when there is one."""
+    headers = {INTERNAL_TOKEN_HEADER: internal_token, TENANT_HEADER: tenant}
+    if adapter is not None:
+        headers[ADAPTER_ID_HEADER] = adapter.adapter_id
+        headers[ADAPTER_URI_HEADER] = adapter.uri
+        if adapter.sha256:
+            headers[ADAPTER_SHA256_HEADER] = adapter.sha256
+    return headers
+
+
+def adapter_from_headers(headers: Mapping[str, str]) -> AdapterRef | None:
+    """The adapter a request's headers name (None: none named); BadHeaders when they name it badly.
+
+    Trust is the caller's check: read these only from a request that carried the internal token."""
+    adapter_id = headers.get(ADAPTER_ID_HEADER)
+    if not adapter_id:
+        return None
+    uri = headers.get(ADAPTER_URI_HEADER)
+    if not uri:
+        raise BadHeaders(ADAPTER_URI_MISSING, f"{ADAPTER_ID_HEADER} needs {ADAPTER_URI_HEADER} too")
+    sha256 = headers.get(ADAPTER_SHA256_HEADER) or None
+    if sha256 is not None and not is_sha256(sha256):
+        raise BadHeaders(ADAPTER_SHA256_INVALID, f"{ADAPTER_SHA256_HEADER} must be 64 hex digits")
+    return AdapterRef(adapter_id, uri, sha256)
+
+
+# -- the engine's internal adapter endpoints ----------------------------------------------------------------
+# GET ADAPTERS_PATH lists {"object": "list", "data": [AdapterEntry...]}; POST ADAPTERS_PATH with an
+# AdapterRegistration registers (201 {"name", "sha256", "registered": true}); DELETE adapter_path(name)
+# unregisters (200 {"name", "deleted": true}; 404 adapter_not_found; 409 adapter_in_use). All need the
+# internal token.
+
+ADAPTERS_PATH = "/internal/adapters"
+
+
+def adapter_path(name: str) -> str:
+    """The path of one registered adapter: its name percent-encoded whole (`id:` and all)."""
+    return f"{ADAPTERS_PATH}/{quote(name, safe='')}"
+
+
+@dataclass(frozen=True)
+class AdapterRegistration:
+    """POST ADAPTERS_PATH's body. The engine validates it with a pydantic model of these fields
+    (engine/server/protocol.py), capped by MAX_ADAPTER_NAME_CHARS and MAX_ADAPTER_URI_CHARS."""
+
+    name: str
+    uri: str
+    sha256: str | None = None
+
+    def body(self) -> dict[str, Any]:
+        return {"name": self.name, "uri": self.uri, "sha256": self.sha256}
+
+
+class AdapterEntry(TypedDict):
+    """One adapter in GET ADAPTERS_PATH's list."""
+
+    name: str
+    sha256: str
+    resident: bool  # its weights are in the device pool now
+    failed: str | None  # why the engine refuses these weights, if it does
