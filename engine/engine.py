@@ -20,6 +20,11 @@ import torch
 
 from loraplex.adapters import AdapterError, AdapterManifest
 
+# Why a request ended with an error (finish_reason "error"): the wire contract's codes. ADAPTER_FAILED: the
+# adapter is at fault, refused until registered with other weights; ADAPTER_UNAVAILABLE: its store could not
+# be read, retry later; ENGINE_ERROR: the engine's own failure.
+from loraplex.wire import ADAPTER_FAILED, ADAPTER_UNAVAILABLE, ENGINE_ERROR
+
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
 from .kv_cache import KVCache, page_bytes
@@ -37,11 +42,6 @@ from .scheduler import ScheduledChunk, Scheduler
 log = logging.getLogger(__name__)
 
 Prompt = str | Sequence[int]
-
-# Why a request ended with an error (finish_reason "error"): the codes of the wire contract.
-ADAPTER_FAILED = "adapter_failed"  # the adapter is at fault: refused until registered with other weights
-ADAPTER_UNAVAILABLE = "adapter_unavailable"  # its store could not be read: retry later
-ENGINE_ERROR = "engine_error"
 
 
 @dataclass

@@ -16,6 +16,8 @@ from urllib.parse import unquote, urlparse
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from loraplex import wire
+
 if TYPE_CHECKING:
     from loraplex.engine.config import EngineConfig
 
@@ -147,8 +149,11 @@ def parse_adapter_arg(item: str) -> tuple[str, str, str | None]:
         raise ValueError(f"adapter {item!r}: expected NAME=PATH_OR_URI (optionally @SHA256 at the end)")
     sha256: str | None = None
     head, at, tail = uri.rpartition("@")
-    if at and len(tail) == 64 and all(c in "0123456789abcdefABCDEF" for c in tail):
+    if at and wire.is_sha256(tail):
         uri, sha256 = head, tail.lower()
-    if name.startswith("id:"):
-        raise ValueError(f"adapter name {name!r}: names starting with 'id:' are reserved for the gateway")
+    if wire.is_gateway_adapter(name):
+        raise ValueError(
+            f"adapter name {name!r}: names starting with {wire.ADAPTER_NAME_PREFIX!r} are reserved for the "
+            "gateway"
+        )
     return name.strip(), uri.strip(), sha256
