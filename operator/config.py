@@ -13,6 +13,7 @@ class OperatorConfig:
     autoscale_seconds: float = 15.0  # builtin autoscaler period (the HPA's default sync period)
     scrape_timeout_seconds: float = 2.0
     request_timeout_seconds: float = 10.0
+    peering_lifetime_seconds: float = 60.0  # a crashed active replica is replaced after this (kopf peering)
 
     def __post_init__(self) -> None:
         for name, value in vars(self).items():
