@@ -50,6 +50,7 @@ ENGINE_ERROR = "engine_error"  # the engine failed the request (or its stream br
 NOT_READY = "not_ready"  # loading or draining: 503 with Retry-After
 QUEUE_FULL = "queue_full"  # 429 with Retry-After
 MODEL_NOT_FOUND = "model_not_found"
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # OpenAI's code: prompt and completion past the context
 LIMIT_EXCEEDED = "limit_exceeded"  # a cap of engine/server/limits.py
 REQUEST_TOO_LARGE = "request_too_large"  # the body (413), or more tokens than a quota could ever allow
 RATE_LIMIT_EXCEEDED = "rate_limit_exceeded"  # a tenant's quota
@@ -59,6 +60,8 @@ INVALID_INTERNAL_TOKEN = "invalid_internal_token"
 INTERNAL_TOKEN_NOT_CONFIGURED = "internal_token_not_configured"
 ADAPTER_URI_MISSING = "adapter_uri_missing"
 ADAPTER_SHA256_INVALID = "adapter_sha256_invalid"
+ADAPTER_FETCH_FAILED = "adapter_fetch_failed"  # registering: nothing usable at the URI (400)
+ADAPTER_INVALID = "adapter_invalid"  # registering: the artifact fails validation or its digest (422)
 ADAPTER_NOT_FOUND = "adapter_not_found"  # unregistering a name the engine does not hold
 ADAPTER_IN_USE = "adapter_in_use"  # unregistering an adapter running requests use
 

@@ -6,7 +6,8 @@ loop runs. Generation requests go through `AsyncEngine`; a request's status code
 after its first output (or failure), so an adapter that cannot load still answers 422, not a broken
 200 stream.
 
-Trust: the gateway sends `X-Loraplex-Internal-Token` with tenant and adapter headers. With a token
+Trust: the gateway sends the internal token with tenant and adapter headers, in the terms of the wire
+contract both sides import (loraplex.wire: header names, `id:` adapter names, error codes). With a token
 configured (LORAPLEX_INTERNAL_TOKEN, as on every cluster), nothing but /health, /ready and /metrics
 (open for probes and the autoscaler) is served without it: 401, compared in constant time.
 Without a token configured, the tenant and adapter headers and the adapter-management endpoints are
@@ -33,6 +34,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import SecretStr
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from loraplex import wire
 from loraplex.adapters import AdapterError, AdapterManifest
 
 from . import limits, protocol
@@ -70,14 +72,6 @@ if TYPE_CHECKING:
     from loraplex.engine.sampling_params import SamplingParams
 
 log = logging.getLogger("loraplex.engine.server")
-
-INTERNAL_TOKEN_HEADER = "X-Loraplex-Internal-Token"
-TENANT_HEADER = "X-Loraplex-Tenant"
-ADAPTER_ID_HEADER = "X-Loraplex-Adapter-Id"
-ADAPTER_URI_HEADER = "X-Loraplex-Adapter-Uri"
-ADAPTER_SHA256_HEADER = "X-Loraplex-Adapter-Sha256"
-GATEWAY_HEADERS = (TENANT_HEADER, ADAPTER_ID_HEADER, ADAPTER_URI_HEADER, ADAPTER_SHA256_HEADER)
-GATEWAY_ADAPTER_PREFIX = "id:"  # engine names of adapters the gateway registers, keyed by adapter id
 
 
 @dataclass(frozen=True)
@@ -183,8 +177,8 @@ class ServerState:
             raise OpenAIError(
                 503,
                 f"not ready: {self.not_ready_reason()}",
-                "server_error",
-                "not_ready",
+                wire.SERVER_ERROR,
+                wire.NOT_READY,
                 headers={"Retry-After": str(RETRY_AFTER_S)},
             )
         assert self.engine is not None
@@ -194,7 +188,7 @@ class ServerState:
 
     def presented_token(self, request: Request) -> bool:
         """True with the right internal token; False with none; a 401/403 with a wrong one."""
-        presented = request.headers.get(INTERNAL_TOKEN_HEADER)
+        presented = request.headers.get(wire.INTERNAL_TOKEN_HEADER)
         if presented is None:
             return False
         token = self.settings.internal_token
@@ -202,12 +196,12 @@ class ServerState:
             raise OpenAIError(
                 403,
                 "internal headers are refused: this server has no internal token (LORAPLEX_INTERNAL_TOKEN)",
-                "permission_error",
-                "internal_token_not_configured",
+                wire.PERMISSION_ERROR,
+                wire.INTERNAL_TOKEN_NOT_CONFIGURED,
             )
         if not token_matches(presented, token):
             raise OpenAIError(
-                401, "the internal token is wrong", "invalid_request_error", "invalid_internal_token"
+                401, "the internal token is wrong", wire.INVALID_REQUEST, wire.INVALID_INTERNAL_TOKEN
             )
         return True
 
@@ -216,43 +210,43 @@ class ServerState:
             raise OpenAIError(
                 403,
                 "adapter management is disabled: this server has no internal token (LORAPLEX_INTERNAL_TOKEN)",
-                "permission_error",
-                "internal_token_not_configured",
+                wire.PERMISSION_ERROR,
+                wire.INTERNAL_TOKEN_NOT_CONFIGURED,
             )
         if not self.presented_token(request):
             raise OpenAIError(
                 401,
-                f"adapter management needs the {INTERNAL_TOKEN_HEADER} header",
-                "invalid_request_error",
-                "missing_internal_token",
+                f"adapter management needs the {wire.INTERNAL_TOKEN_HEADER} header",
+                wire.INVALID_REQUEST,
+                wire.MISSING_INTERNAL_TOKEN,
             )
 
     def caller(self, request: Request) -> Caller:
         """Who is calling /v1/: with a token configured, only the holder of it (the gateway)."""
         trusted = self.presented_token(request)
-        sent = [h for h in GATEWAY_HEADERS if h in request.headers]
+        sent = [h for h in wire.GATEWAY_HEADERS if h in request.headers]
         if sent and not trusted:
             if self.settings.internal_token is None:
                 raise OpenAIError(
                     403,
                     f"{', '.join(sent)} refused: this server has no internal token configured",
-                    "permission_error",
-                    "internal_token_not_configured",
+                    wire.PERMISSION_ERROR,
+                    wire.INTERNAL_TOKEN_NOT_CONFIGURED,
                 )
             raise OpenAIError(
                 401,
-                f"{', '.join(sent)} need a valid {INTERNAL_TOKEN_HEADER}",
-                "invalid_request_error",
-                "missing_internal_token",
+                f"{', '.join(sent)} need a valid {wire.INTERNAL_TOKEN_HEADER}",
+                wire.INVALID_REQUEST,
+                wire.MISSING_INTERNAL_TOKEN,
             )
         if not trusted and self.settings.internal_token is not None:
             raise OpenAIError(
                 401,
-                f"this engine serves only the gateway: send the {INTERNAL_TOKEN_HEADER} header",
-                "invalid_request_error",
-                "missing_internal_token",
+                f"this engine serves only the gateway: send the {wire.INTERNAL_TOKEN_HEADER} header",
+                wire.INVALID_REQUEST,
+                wire.MISSING_INTERNAL_TOKEN,
             )
-        return Caller(trusted, request.headers.get(TENANT_HEADER) if trusted else None)
+        return Caller(trusted, request.headers.get(wire.TENANT_HEADER) if trusted else None)
 
     # -- which model ----------------------------------------------------------------------------------
 
@@ -265,31 +259,25 @@ class ServerState:
     async def adapter_for(self, request: Request, model: str, caller: Caller) -> str | None:
         """The engine adapter a request names (None: the base model), registering the gateway's lazily."""
         engine = self.serving()
-        adapter_id = request.headers.get(ADAPTER_ID_HEADER)
-        if caller.trusted and adapter_id:
-            uri = request.headers.get(ADAPTER_URI_HEADER)
-            if not uri:
-                raise bad_request(
-                    f"{ADAPTER_ID_HEADER} needs {ADAPTER_URI_HEADER} too", code="adapter_uri_missing"
-                )
-            sha256 = request.headers.get(ADAPTER_SHA256_HEADER) or None
-            if sha256 is not None and not protocol.is_sha256(sha256):
-                raise bad_request(
-                    f"{ADAPTER_SHA256_HEADER} must be 64 hex digits", code="adapter_sha256_invalid"
-                )
-            name = GATEWAY_ADAPTER_PREFIX + adapter_id
-            await self.ensure_adapter(engine, name, uri, sha256)
-            return name
+        if caller.trusted:
+            try:
+                gateway_adapter = wire.adapter_from_headers(request.headers)
+            except wire.BadHeaders as exc:
+                raise bad_request(str(exc), code=exc.code) from exc
+            if gateway_adapter is not None:
+                name = gateway_adapter.name
+                await self.ensure_adapter(engine, name, gateway_adapter.uri, gateway_adapter.sha256)
+                return name
         if self.is_base_model(model):
             return None
         # A tenant's adapter is reached only through the adapter headers the gateway sets, never by its
         # engine name in `model` (a body field a tenant writes), so no tenant can name another's.
-        if model in engine.adapters and not model.startswith(GATEWAY_ADAPTER_PREFIX):
+        if model in engine.adapters and not wire.is_gateway_adapter(model):
             return model
         if caller.trusted:
             return None  # the gateway resolved `model` to this deployment's base model
         raise OpenAIError(
-            404, f"The model `{model}` does not exist.", "invalid_request_error", "model_not_found"
+            404, f"The model `{model}` does not exist.", wire.INVALID_REQUEST, wire.MODEL_NOT_FOUND
         )
 
     async def ensure_adapter(self, engine: AsyncEngine, name: str, uri: str, sha256: str | None) -> None:
@@ -333,10 +321,10 @@ class ServerState:
                 raise adapter_failed(f"adapter {name!r}: {exc}") from exc
             if fetch:
                 raise OpenAIError(
-                    400, f"adapter {name!r}: {exc}", "invalid_request_error", "adapter_fetch_failed"
+                    400, f"adapter {name!r}: {exc}", wire.INVALID_REQUEST, wire.ADAPTER_FETCH_FAILED
                 ) from exc
             raise OpenAIError(
-                422, f"adapter {name!r}: {exc}", "invalid_request_error", "adapter_invalid"
+                422, f"adapter {name!r}: {exc}", wire.INVALID_REQUEST, wire.ADAPTER_INVALID
             ) from exc
         self.metrics.adapter_registrations.labels("ok").inc()
         log.info("registered adapter %s from %s", name, uri)
@@ -361,7 +349,7 @@ class ServerState:
             raise bad_request(
                 f"This model's maximum context length is {context} tokens, and the prompt has {prompt_len} "
                 "tokens: it must be shorter to leave room for the completion.",
-                code="context_length_exceeded",
+                code=wire.CONTEXT_LENGTH_EXCEEDED,
             )
         if limit is not None and prompt_len + limit > context:
             raise bad_request(
@@ -369,7 +357,7 @@ class ServerState:
                 f"{prompt_len + limit} tokens ({prompt_len} in the prompt, {limit} for the completion). "
                 "Please reduce the prompt or the completion length.",
                 "max_tokens",
-                "context_length_exceeded",
+                wire.CONTEXT_LENGTH_EXCEEDED,
             )
         if limit is None:  # as much as the context (and the pool, less the adapter's pages) leaves
             pool_tokens = engine.pool_tokens - engine.adapter_pages.get(adapter or "", 0) * engine.page_size
@@ -396,13 +384,13 @@ class ServerState:
             raise OpenAIError(
                 429,
                 str(exc),
-                "rate_limit_exceeded",
-                "queue_full",
+                wire.RATE_LIMITED,
+                wire.QUEUE_FULL,
                 headers={"Retry-After": str(RETRY_AFTER_S)},
             ) from exc
         except UnknownAdapter as exc:
             raise OpenAIError(
-                404, f"The model `{job.model}` does not exist.", "invalid_request_error", "model_not_found"
+                404, f"The model `{job.model}` does not exist.", wire.INVALID_REQUEST, wire.MODEL_NOT_FOUND
             ) from exc
         except AdapterFailed as exc:  # before ValueError: an AdapterError is one
             raise adapter_failed(f"adapter {job.model!r}: {exc}") from exc
@@ -410,7 +398,7 @@ class ServerState:
             raise bad_request(str(exc), getattr(exc, "param", None)) from exc
         except EngineUnavailable as exc:
             raise OpenAIError(
-                503, str(exc), "server_error", "not_ready", headers={"Retry-After": str(RETRY_AFTER_S)}
+                503, str(exc), wire.SERVER_ERROR, wire.NOT_READY, headers={"Retry-After": str(RETRY_AFTER_S)}
             ) from exc
 
 
@@ -465,11 +453,11 @@ def _install_error_handlers(app: FastAPI) -> None:
         cause = context.get("error") if isinstance(context, dict) else None
         if isinstance(cause, limits.LimitExceeded):  # a cap of limits.py: its own sentence and field
             return JSONResponse(
-                protocol.error_body(str(cause), "invalid_request_error", "limit_exceeded", cause.param), 400
+                wire.error_body(str(cause), wire.INVALID_REQUEST, wire.LIMIT_EXCEEDED, cause.param), 400
             )
         where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
         message = f"{where}: {first.get('msg')}" if where else str(first.get("msg"))
-        return JSONResponse(protocol.error_body(message, "invalid_request_error", param=where or None), 400)
+        return JSONResponse(wire.error_body(message, wire.INVALID_REQUEST, param=where or None), 400)
 
     app.add_exception_handler(OpenAIError, openai_error)
     app.add_exception_handler(RequestValidationError, validation_error)
@@ -510,7 +498,7 @@ def _add_probe_routes(app: FastAPI, state: ServerState) -> None:
                 "parent": parent,
             }
 
-        adapters = sorted(n for n in engine.adapters if not n.startswith(GATEWAY_ADAPTER_PREFIX))
+        adapters = sorted(n for n in engine.adapters if not wire.is_gateway_adapter(n))
         return {"object": "list", "data": [entry(base, None), *(entry(n, base) for n in adapters)]}
 
 
@@ -588,7 +576,7 @@ async def _run(state: ServerState, job: Job, request: Request) -> Response:
 
 
 def _add_adapter_routes(app: FastAPI, state: ServerState) -> None:
-    @app.get("/internal/adapters")
+    @app.get(wire.ADAPTERS_PATH)
     async def list_adapters(request: Request) -> dict[str, Any]:
         state.require_internal(request)
         engine = state.serving()
@@ -607,7 +595,7 @@ def _add_adapter_routes(app: FastAPI, state: ServerState) -> None:
 
         return {"object": "list", "data": await engine.call(describe)}
 
-    @app.post("/internal/adapters", status_code=201)
+    @app.post(wire.ADAPTERS_PATH, status_code=201)
     async def register_adapter(body: protocol.AdapterRegistration, request: Request) -> dict[str, Any]:
         state.require_internal(request)
         engine = state.serving()
@@ -616,7 +604,7 @@ def _add_adapter_routes(app: FastAPI, state: ServerState) -> None:
         manifest = await state.register(engine, body.name, body.uri, body.sha256)
         return {"name": body.name, "sha256": manifest.sha256, "registered": True}
 
-    @app.delete("/internal/adapters/{name:path}")
+    @app.delete(wire.ADAPTERS_PATH + "/{name:path}")
     async def unregister_adapter(name: str, request: Request) -> dict[str, Any]:
         state.require_internal(request)
         engine = state.serving()
@@ -624,10 +612,10 @@ def _add_adapter_routes(app: FastAPI, state: ServerState) -> None:
             await engine.unregister_adapter(name)
         except UnknownAdapter as exc:
             raise OpenAIError(
-                404, f"adapter {name!r} is not registered", "invalid_request_error", "adapter_not_found"
+                404, f"adapter {name!r} is not registered", wire.INVALID_REQUEST, wire.ADAPTER_NOT_FOUND
             ) from exc
         except AdapterError as exc:  # in use by running requests
-            raise OpenAIError(409, str(exc), "invalid_request_error", "adapter_in_use") from exc
+            raise OpenAIError(409, str(exc), wire.INVALID_REQUEST, wire.ADAPTER_IN_USE) from exc
         log.info("unregistered adapter %s", name)
         return {"name": name, "deleted": True}
 
@@ -660,17 +648,17 @@ class InternalTokenGate:
         if self.token is None or scope["type"] != "http" or scope["path"] in OPEN_PATHS:
             await self.app(scope, receive, send)
             return
-        presented = dict(scope["headers"]).get(INTERNAL_TOKEN_HEADER.lower().encode())
+        presented = dict(scope["headers"]).get(wire.INTERNAL_TOKEN_HEADER.lower().encode())
         if presented is not None and token_matches(presented.decode("latin-1"), self.token):
             await self.app(scope, receive, send)
             return
         missing = presented is None
-        body = protocol.error_body(
-            f"this engine serves only the gateway: send the {INTERNAL_TOKEN_HEADER} header"
+        body = wire.error_body(
+            f"this engine serves only the gateway: send the {wire.INTERNAL_TOKEN_HEADER} header"
             if missing
             else "the internal token is wrong",
-            "invalid_request_error",
-            "missing_internal_token" if missing else "invalid_internal_token",
+            wire.INVALID_REQUEST,
+            wire.MISSING_INTERNAL_TOKEN if missing else wire.INVALID_INTERNAL_TOKEN,
         )
         await JSONResponse(body, 401)(scope, receive, send)
 
@@ -712,10 +700,10 @@ class BodySizeLimit:
         await self.app(scope, replay, send)
 
     async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
-        body = protocol.error_body(
+        body = wire.error_body(
             f"the request body is over {self.max_bytes} bytes, the most this server reads",
-            "invalid_request_error",
-            "request_too_large",
+            wire.INVALID_REQUEST,
+            wire.REQUEST_TOO_LARGE,
             "body",
         )
         await JSONResponse(body, 413)(scope, receive, send)

@@ -17,6 +17,8 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from loraplex import wire
+
 from . import protocol
 from .async_engine import (
     AdapterFailed,
@@ -56,14 +58,23 @@ class Job:
 
 def adapter_failed(message: str) -> OpenAIError:
     """The adapter is at fault (the wire contract: 422, code adapter_failed; the gateway marks it failed)."""
-    return OpenAIError(422, message, "invalid_request_error", "adapter_failed")
+    return OpenAIError(wire.ADAPTER_FAILED_STATUS, message, wire.INVALID_REQUEST, wire.ADAPTER_FAILED)
 
 
 def adapter_unavailable(message: str) -> OpenAIError:
     """The adapter's store could not be read: not the adapter's fault (503, code adapter_unavailable)."""
     return OpenAIError(
-        503, message, "server_error", "adapter_unavailable", headers={"Retry-After": str(RETRY_AFTER_S)}
+        wire.ADAPTER_UNAVAILABLE_STATUS,
+        message,
+        wire.SERVER_ERROR,
+        wire.ADAPTER_UNAVAILABLE,
+        headers={"Retry-After": str(RETRY_AFTER_S)},
     )
+
+
+def engine_error(message: str) -> OpenAIError:
+    """The engine failed the request itself: no fault of the adapter's or the client's (500)."""
+    return OpenAIError(500, message, wire.SERVER_ERROR, wire.ENGINE_ERROR)
 
 
 def failure(exc: BaseException) -> OpenAIError:
@@ -73,12 +84,12 @@ def failure(exc: BaseException) -> OpenAIError:
     if isinstance(exc, AdapterUnavailable):
         return adapter_unavailable(str(exc))
     if isinstance(exc, StepFailed):
-        return OpenAIError(500, str(exc), "server_error", "engine_error")
+        return engine_error(str(exc))
     if isinstance(exc, EngineUnavailable):
         return OpenAIError(
-            503, str(exc), "server_error", "not_ready", headers={"Retry-After": str(RETRY_AFTER_S)}
+            503, str(exc), wire.SERVER_ERROR, wire.NOT_READY, headers={"Retry-After": str(RETRY_AFTER_S)}
         )
-    return OpenAIError(500, f"{type(exc).__name__}: {exc}", "server_error", "engine_error")
+    return engine_error(f"{type(exc).__name__}: {exc}")
 
 
 def output_failure(output: RequestOutput, job: Job) -> OpenAIError | None:
@@ -88,11 +99,11 @@ def output_failure(output: RequestOutput, job: Job) -> OpenAIError | None:
         return None
     message = output.error or "the engine could not run this request"
     code = getattr(output, "error_code", None)  # engine.FailedOutput says whose fault it was
-    if code == "adapter_failed":
+    if code == wire.ADAPTER_FAILED:
         return adapter_failed(message)
-    if code == "adapter_unavailable":
+    if code == wire.ADAPTER_UNAVAILABLE:
         return adapter_unavailable(message)
-    return OpenAIError(500, message, "server_error", "engine_error")
+    return engine_error(message)
 
 
 async def until_disconnected(request: Request) -> None:

@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from loraplex import wire
+
 from . import limits
 
 if TYPE_CHECKING:
@@ -27,13 +29,14 @@ LOGPROB_FLOOR = -9999.0
 
 
 class OpenAIError(Exception):
-    """Answered as OpenAI's error JSON: {"error": {"message", "type", "param", "code"}}."""
+    """Answered as OpenAI's error JSON: {"error": {"message", "type", "param", "code"}} (wire.WireError),
+    with the wire contract's codes."""
 
     def __init__(
         self,
         status: int,
         message: str,
-        kind: str = "invalid_request_error",
+        kind: str = wire.INVALID_REQUEST,
         code: str | None = None,
         param: str | None = None,
         headers: dict[str, str] | None = None,
@@ -43,20 +46,11 @@ class OpenAIError(Exception):
         self.code, self.param, self.headers = code, param, headers
 
     def body(self) -> dict[str, Any]:
-        return error_body(self.message, self.kind, self.code, self.param)
-
-
-def error_body(message: str, kind: str, code: str | None = None, param: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+        return wire.error_body(self.message, self.kind, self.code, self.param)
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> OpenAIError:
-    return OpenAIError(400, message, "invalid_request_error", code, param)
-
-
-def is_sha256(value: str) -> bool:
-    """64 hex digits, checked without a regular expression a long header could slow down."""
-    return len(value) == 64 and all(c in "0123456789abcdefABCDEF" for c in value)
+    return OpenAIError(400, message, wire.INVALID_REQUEST, code, param)
 
 
 # -- requests ---------------------------------------------------------------------------------------
@@ -249,9 +243,11 @@ class ChatCompletionRequest(_GenerationRequest):
 
 
 class AdapterRegistration(BaseModel):
+    """wire.AdapterRegistration, validated: the fields of the contract's dataclass, in its order."""
+
     model_config = ConfigDict(extra="forbid")
-    name: str = Field(min_length=1, max_length=512)
-    uri: str = Field(min_length=1, max_length=4096)
+    name: str = Field(min_length=1, max_length=wire.MAX_ADAPTER_NAME_CHARS)
+    uri: str = Field(min_length=1, max_length=wire.MAX_ADAPTER_URI_CHARS)
     sha256: str | None = Field(default=None, pattern=r"^[0-9a-fA-F]{64}$")
 
 
