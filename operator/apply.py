@@ -1,6 +1,8 @@
 """Apply desired children: create what is missing, patch what drifted, keep what the autoscaler owns.
 
-`plan(desired, current, idep)` is pure (what to send, or nothing); `apply_objects` does the I/O.
+`plan(desired, current, idep)` is pure (what to send, or nothing); `apply_objects` does the I/O. Nothing is
+patched or deleted unless this CR is its controller (`is_controlled_by`): a same-named object someone else
+made is reported (ApplyResult.foreign) and left exactly as it is.
 """
 
 from __future__ import annotations
@@ -8,11 +10,12 @@ from __future__ import annotations
 import copy
 import logging
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from loraplex.operator.kube import KubeClient
 from loraplex.operator.resources import HASH_ANNOTATION, child_name
-from loraplex.operator.spec import InferenceDeployment
+from loraplex.operator.spec import GROUP, KIND, InferenceDeployment
 
 logger = logging.getLogger(__name__)
 
@@ -67,29 +70,82 @@ def plan(
     return "patch", patch
 
 
+def is_controlled_by(obj: Mapping[str, Any], idep: InferenceDeployment) -> bool:
+    """Whether `obj`'s controller is this very InferenceDeployment: kind, name and uid (a CR deleted and
+    re-created under the same name has a new uid, and a same-named object someone else made has none)."""
+    for ref in (obj.get("metadata") or {}).get("ownerReferences") or []:
+        if (
+            ref.get("controller") is True
+            and ref.get("kind") == KIND
+            and str(ref.get("apiVersion", "")).split("/")[0] == GROUP
+            and ref.get("name") == idep.name
+            and ref.get("uid") == idep.uid
+        ):
+            return True
+    return False
+
+
+def describe_foreign(obj: Mapping[str, Any], idep: InferenceDeployment) -> str:
+    meta = obj.get("metadata") or {}
+    controller = next(
+        (ref for ref in meta.get("ownerReferences") or [] if ref.get("controller") is True), None
+    )
+    owner = f"controlled by {controller.get('kind')} {controller.get('name')}" if controller else "not owned"
+    return (
+        f"{obj.get('kind')} {meta.get('namespace')}/{meta.get('name')} exists and is {owner}, not by this "
+        f"InferenceDeployment (uid {idep.uid}): the operator leaves it untouched; delete or rename it"
+    )
+
+
+@dataclass
+class ApplyResult:
+    live: dict[str, dict[str, Any]] = field(default_factory=dict)  # ours only, by kind (for status)
+    foreign: list[str] = field(default_factory=list)  # same-named objects we do not control
+    created: list[str] = field(default_factory=list)  # kinds created on this pass
+    rolled_out: bool = False  # the Deployment's pod template changed: pods are being replaced
+
+
 async def apply_objects(
     client: KubeClient, objects: list[dict[str, Any]], idep: InferenceDeployment
-) -> dict[str, dict[str, Any]]:
-    """Apply each object in order; returns the live objects by kind (for status)."""
-    live: dict[str, dict[str, Any]] = {}
+) -> ApplyResult:
+    """Apply each object in order, never touching one this CR does not control."""
+    result = ApplyResult()
     for desired in objects:
         kind, meta = desired["kind"], desired["metadata"]
         current = await client.get(kind, meta["namespace"], meta["name"])
+        if current is not None and not is_controlled_by(current, idep):
+            result.foreign.append(describe_foreign(current, idep))
+            continue
         step = plan(desired, current, idep)
         if step is None:
             assert current is not None  # no plan only when it exists and matches
-            live[kind] = dict(current)
+            result.live[kind] = dict(current)
             continue
         action, body = step
         logger.info("%s %s %s/%s", action, kind, meta["namespace"], meta["name"])
         if action == "create":
-            live[kind] = await client.create(body)
+            result.live[kind] = await client.create(body)
+            result.created.append(kind)
         else:
-            live[kind] = await client.patch(kind, meta["namespace"], meta["name"], body)
-    return live
+            # The patch carries the resourceVersion we checked ownership on: a swap in between is a 409.
+            result.live[kind] = await client.patch(kind, meta["namespace"], meta["name"], body)
+            if kind == "Deployment" and current is not None:
+                template = (current.get("spec") or {}).get("template")
+                result.rolled_out |= not is_subset(body["spec"]["template"], template)
+    return result
 
 
-async def delete_stale(client: KubeClient, idep: InferenceDeployment, kinds_wanted: set[str]) -> None:
-    """Remove an HPA left from hpa mode once the spec moved to builtin or off (it would fight us)."""
-    if "HorizontalPodAutoscaler" not in kinds_wanted:
-        await client.delete("HorizontalPodAutoscaler", idep.namespace, child_name(idep))
+async def delete_stale(client: KubeClient, idep: InferenceDeployment, kinds_wanted: set[str]) -> list[str]:
+    """Remove an HPA left from hpa mode once the spec moved to builtin or off (it would fight us); returns
+    the description of a same-named HPA we do not control, which stays."""
+    if "HorizontalPodAutoscaler" in kinds_wanted:
+        return []
+    current = await client.get("HorizontalPodAutoscaler", idep.namespace, child_name(idep))
+    if current is None:
+        return []
+    if not is_controlled_by(current, idep):
+        return [describe_foreign(current, idep)]
+    await client.delete(
+        "HorizontalPodAutoscaler", idep.namespace, child_name(idep), uid=current["metadata"]["uid"]
+    )
+    return []

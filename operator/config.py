@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+
+# What an unset (or empty) LORAPLEX_OPERATOR_ALLOWED_IMAGES permits: the project's own engine image, by
+# tag or digest. Anything else needs the admin to list it, or to opt out with ALLOW_ANY_IMAGE.
+DEFAULT_ALLOWED_IMAGES = ("ghcr.io/loraplex/engine:*", "ghcr.io/loraplex/engine@sha256:*")
 
 
 @dataclass(frozen=True)
@@ -14,22 +18,45 @@ class OperatorConfig:
     scrape_timeout_seconds: float = 2.0
     request_timeout_seconds: float = 10.0
     peering_lifetime_seconds: float = 60.0  # a crashed active replica is replaced after this (kopf peering)
+    # The Secret and image policy (operator/policy.py): fnmatch globs, matched case-sensitively.
+    allowed_images: tuple[str, ...] = DEFAULT_ALLOWED_IMAGES
+    allow_any_image: bool = False
+    allowed_secrets: tuple[str, ...] = ()  # `namespace/name` globs, e.g. `loraplex/loraplex-*`
 
     def __post_init__(self) -> None:
         for name, value in vars(self).items():
-            if value <= 0:
+            if isinstance(value, float) and value <= 0:
                 raise ValueError(f"{name} is {value}, not positive: fix LORAPLEX_OPERATOR_{name.upper()}")
+        for pattern in self.allowed_secrets:
+            namespace, slash, name = pattern.partition("/")
+            if not slash or not namespace or not name or "/" in name:
+                raise ValueError(
+                    f"LORAPLEX_OPERATOR_ALLOWED_SECRETS entry {pattern!r} is not namespace/name "
+                    "(globs allowed, e.g. loraplex/loraplex-* or */engine-token)"
+                )
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> OperatorConfig:
         """LORAPLEX_OPERATOR_RESYNC_SECONDS=5 and so on; unset keys keep their defaults."""
         env = os.environ if environ is None else environ
-        values = {}
-        for name in cls.__dataclass_fields__:
-            raw = env.get(f"LORAPLEX_OPERATOR_{name.upper()}")
-            if raw is not None:
+        values: dict[str, object] = {}
+        for spec in fields(cls):
+            variable = f"LORAPLEX_OPERATOR_{spec.name.upper()}"
+            raw = env.get(variable)
+            if raw is None:
+                continue
+            if spec.name.startswith("allowed_"):
+                patterns = tuple(part.strip() for part in raw.split(",") if part.strip())
+                # Empty means "not configured" (a chart renders an empty list so): keep the default.
+                if patterns:
+                    values[spec.name] = patterns
+            elif spec.name == "allow_any_image":
+                if raw.strip().lower() not in ("true", "false"):
+                    raise ValueError(f"{variable}={raw!r} must be true or false")
+                values[spec.name] = raw.strip().lower() == "true"
+            else:
                 try:
-                    values[name] = float(raw)
+                    values[spec.name] = float(raw)
                 except ValueError as error:
-                    raise ValueError(f"LORAPLEX_OPERATOR_{name.upper()}={raw!r} is not a number") from error
-        return cls(**values)
+                    raise ValueError(f"{variable}={raw!r} is not a number") from error
+        return cls(**values)  # type: ignore[arg-type]

@@ -28,6 +28,7 @@ KINDS: dict[str, tuple[str, str]] = {
     "Deployment": ("apps/v1", "deployments"),
     "PodDisruptionBudget": ("policy/v1", "poddisruptionbudgets"),
     "HorizontalPodAutoscaler": ("autoscaling/v2", "horizontalpodautoscalers"),
+    "Event": ("v1", "events"),
     "InferenceDeployment": ("loraplex.dev/v1alpha1", "inferencedeployments"),
 }
 
@@ -76,6 +77,15 @@ class KubeClient:
                 return None
             raise
 
+    async def get_namespace(self, name: str) -> dict[str, Any] | None:
+        """A Namespace (cluster-scoped: the Secret policy reads its labels); None when it does not exist."""
+        try:
+            return await self._call("GET", f"/api/v1/namespaces/{name}")
+        except KubeError as error:
+            if error.status == 404:
+                return None
+            raise
+
     async def list(self, kind: str, namespace: str, label_selector: str) -> list[dict[str, Any]]:
         query = urlencode({"labelSelector": label_selector})
         result = await self._call("GET", f"{object_path(kind, namespace)}?{query}")
@@ -91,9 +101,13 @@ class KubeClient:
         path = object_path(kind, namespace, name) + (f"/{subresource}" if subresource else "")
         return await self._call("PATCH", path, patch, content_type="application/merge-patch+json")
 
-    async def delete(self, kind: str, namespace: str, name: str) -> None:
+    async def delete(self, kind: str, namespace: str, name: str, uid: str | None = None) -> None:
+        """Delete; with `uid`, only that incarnation (a same-named replacement answers 409, not deleted)."""
+        options = None
+        if uid:
+            options = {"kind": "DeleteOptions", "apiVersion": "v1", "preconditions": {"uid": uid}}
         try:
-            await self._call("DELETE", object_path(kind, namespace, name))
+            await self._call("DELETE", object_path(kind, namespace, name), options)
         except KubeError as error:
             if error.status != 404:
                 raise

@@ -4,10 +4,16 @@ Handlers stay thin: parse the body into a typed spec, compute `desired_objects`,
 Three triggers reach the same `reconcile`: kopf's create/update/resume, any event on an owned Deployment
 (a deleted or edited child is restored at once), and a per-object resync daemon that repairs drift in the
 children kopf does not watch (Service, ConfigMap, PDB, HPA). The builtin autoscaler is a second daemon.
+
+No finalizer: nothing has to happen before an InferenceDeployment goes (its children go by owner
+references), so deleting one, or its namespace, never waits for the operator. kopf would put one on every
+object for the daemons' sake; `_daemons_without_finalizer` opts them out, and each daemon ends itself once
+its object is gone. Several replicas may run: kopf peering keeps one active (peering.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import logging
 import time
@@ -17,7 +23,8 @@ from typing import Any
 import aiohttp
 import kopf
 
-from loraplex.operator.apply import apply_objects, delete_stale
+from loraplex.operator import events, peering, policy
+from loraplex.operator.apply import ApplyResult, apply_objects, delete_stale, is_controlled_by
 from loraplex.operator.autoscaler import Decision, ScalingPolicy, ScalingState, decide
 from loraplex.operator.config import OperatorConfig
 from loraplex.operator.kube import KubeClient, KubeError, KubeSettings, load_api_client
@@ -28,10 +35,17 @@ from loraplex.operator.resources import (
     child_name,
     desired_objects,
     endpoint,
+    rollout_strategy,
     selector_string,
 )
 from loraplex.operator.spec import GROUP, KIND, PLURAL, VERSION, InferenceDeployment, SpecError, parse
-from loraplex.operator.status import degraded_status, engine_failure, healthy_status, merge_conditions
+from loraplex.operator.status import (
+    degraded_status,
+    engine_failure,
+    healthy_status,
+    merge_conditions,
+    with_problem,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -39,10 +53,18 @@ logger = logging.getLogger(__name__)
 @kopf.on.startup()
 async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     config = OperatorConfig.from_env()
+    # No handler needs a finalizer; kopf removes this one (put there by earlier versions) when it sees it.
     settings.persistence.finalizer = f"{GROUP}/operator"
     settings.posting.level = logging.WARNING  # Kubernetes Events only for what a user must act on
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
+    if peering.configure(settings, config.peering_lifetime_seconds):
+        # Retried by kopf (TemporaryError) until the peering CRD exists; before the sessions are made.
+        api_client = load_api_client()
+        try:
+            await peering.ensure_peering_object(api_client, settings.peering.name)
+        finally:
+            api_client.close()
     memo.config = config
     memo.kube = KubeClient(load_api_client(), KubeSettings(request_timeout_s=config.request_timeout_seconds))
     memo.http = aiohttp.ClientSession()
@@ -58,7 +80,7 @@ async def cleanup(memo: kopf.Memo, **_: Any) -> None:
 @kopf.on.create(GROUP, VERSION, PLURAL)
 @kopf.on.update(GROUP, VERSION, PLURAL)
 async def reconcile_handler(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
-    await reconcile(memo.kube, body)
+    await reconcile(memo.kube, body, memo.config)
 
 
 @kopf.on.event("apps", "v1", "deployments", labels={"app.kubernetes.io/managed-by": MANAGED_BY})
@@ -69,20 +91,43 @@ async def owned_deployment_changed(body: kopf.Body, memo: kopf.Memo, **_: Any) -
     parent = await memo.kube.get(KIND, body.metadata.namespace, owner["name"])
     if parent is None or parent["metadata"].get("deletionTimestamp"):
         return  # the owner is going away: garbage collection takes the children
-    await reconcile_quietly(memo.kube, parent)
+    await reconcile_quietly(memo.kube, parent, memo.config)
 
 
-@kopf.daemon(GROUP, VERSION, PLURAL, cancellation_timeout=5.0)
+# Daemons are stopped on deletion, on a peering pause and at exit: they first get `stopped` (their loops
+# wait on it, so they end within a request), and are cancelled only if still running after the backoff.
+# Without a backoff kopf cancels at once and logs the escalation on every stop.
+CANCELLATION_BACKOFF_S = 5.0
+CANCELLATION_TIMEOUT_S = 5.0
+
+
+@kopf.daemon(
+    GROUP,
+    VERSION,
+    PLURAL,
+    cancellation_backoff=CANCELLATION_BACKOFF_S,
+    cancellation_timeout=CANCELLATION_TIMEOUT_S,
+)
 async def resync(body: kopf.Body, memo: kopf.Memo, stopped: kopf.DaemonStopped, **_: Any) -> None:
     while not await stopped.wait(memo.config.resync_seconds):
-        await reconcile_quietly(memo.kube, body)
+        if not await still_exists(memo.kube, body):
+            return
+        await reconcile_quietly(memo.kube, body, memo.config)
 
 
-@kopf.daemon(GROUP, VERSION, PLURAL, cancellation_timeout=5.0)
+@kopf.daemon(
+    GROUP,
+    VERSION,
+    PLURAL,
+    cancellation_backoff=CANCELLATION_BACKOFF_S,
+    cancellation_timeout=CANCELLATION_TIMEOUT_S,
+)
 async def autoscale(body: kopf.Body, memo: kopf.Memo, stopped: kopf.DaemonStopped, **_: Any) -> None:
     state = ScalingState()
     last: tuple[int, int, str] | None = None
     while not await stopped.wait(memo.config.autoscale_seconds):
+        if not await still_exists(memo.kube, body):
+            return
         try:
             idep = parse(body)
         except SpecError:
@@ -103,40 +148,113 @@ async def autoscale(body: kopf.Body, memo: kopf.Memo, stopped: kopf.DaemonStoppe
             await write_status(memo.kube, body, {"autoscaling": decision_status(idep, decision)})
 
 
-async def reconcile(kube: KubeClient, body: Mapping[str, Any]) -> dict[str, Any]:
-    """Parse, compute, apply, report. PermanentError for a spec that can never work."""
+async def still_exists(kube: KubeClient, body: Mapping[str, Any]) -> bool:
+    """False once this daemon's object is deleted (or replaced by a namesake): without a finalizer kopf
+    forgets the object when its DELETED event arrives but does not stop its daemons, so they stop here.
+    An API error counts as "still there": the next period asks again."""
+    meta = body.get("metadata") or {}
+    try:
+        live = await kube.get(KIND, meta["namespace"], meta["name"])
+    except KubeError:
+        return True
+    if live is None or live["metadata"].get("uid") != meta.get("uid"):
+        logger.info("%s/%s is gone: its daemon stops", meta["namespace"], meta["name"])
+        return False
+    return not live["metadata"].get("deletionTimestamp")
+
+
+def _daemons_without_finalizer(registry: kopf.OperatorRegistry) -> None:
+    """kopf marks every daemon `requires_finalizer=True` and offers no option against it (kopf 1.45).
+    Ours need no clean-up at deletion, and a finalizer would make deleting an InferenceDeployment or its
+    namespace hang whenever the operator is not running; so the registered handlers are replaced by copies
+    that do not ask for one. tests/operator/test_finalizer.py fails if a kopf release changes this."""
+    spawning = registry._spawning
+    ours = (resync, autoscale)
+    spawning._handlers = [
+        dataclasses.replace(handler, requires_finalizer=False) if handler.fn in ours else handler
+        for handler in spawning._handlers
+    ]
+
+
+_daemons_without_finalizer(kopf.get_default_registry())
+
+
+async def reconcile(kube: KubeClient, body: Mapping[str, Any], config: OperatorConfig) -> dict[str, Any]:
+    """Parse, check the policy, compute, apply, report. PermanentError for a spec that can never work; a
+    refused CR (policy) or a foreign child is reported in status and an Event, and re-checked next pass."""
     generation = int(body.get("metadata", {}).get("generation") or 0)
     try:
         idep = parse(body)
     except SpecError as error:
+        await warn(kube, body, events.INVALID_SPEC, str(error))
         await write_status(kube, body, degraded_status("InvalidSpec", str(error), generation))
         raise kopf.PermanentError(f"invalid InferenceDeployment spec: {error}") from error
     objects = desired_objects(idep)
     try:
-        live = await apply_objects(kube, objects, idep)
-        await delete_stale(kube, idep, {obj["kind"] for obj in objects})
+        refused = await policy.check(kube, idep, config)
+        if refused:
+            # Nothing is created or changed: existing children stay as they were until the CR is permitted.
+            message = "; ".join(refused)
+            await warn(kube, body, events.POLICY_VIOLATION, message)
+            status = degraded_status("PolicyViolation", message, generation)
+            await write_status(kube, body, status)
+            return status
+        result = await apply_objects(kube, objects, idep)
+        foreign = result.foreign + await delete_stale(kube, idep, {obj["kind"] for obj in objects})
     except KubeError as error:
         if error.status == 409:  # someone wrote in between: read again shortly
             raise kopf.TemporaryError(f"conflict while applying children: {error}", delay=1) from error
         await write_status(kube, body, degraded_status("ApplyFailed", str(error), generation))
         raise kopf.TemporaryError(f"cannot apply children, will retry: {error}", delay=15) from error
+    await announce_changes(kube, body, idep, result)
     pods = await kube.list("Pod", idep.namespace, selector_string(idep))
     status = healthy_status(
-        live.get("Deployment"),
+        result.live.get("Deployment"),
         idep.spec.replicas.min,
         generation,
         endpoint(idep),
         selector_string(idep),
         engine_failure(pods),
     )
+    if foreign:
+        message = "; ".join(foreign)
+        await warn(kube, body, events.FOREIGN_OBJECT, message)
+        status = with_problem(status, "ForeignObject", message, generation)
     await write_status(kube, body, status)
     return status
 
 
-async def reconcile_quietly(kube: KubeClient, body: Mapping[str, Any]) -> None:
+async def announce_changes(
+    kube: KubeClient, body: Mapping[str, Any], idep: InferenceDeployment, result: ApplyResult
+) -> None:
+    """Normal Events for children created and for rollouts (a changed pod template replaces the pods)."""
+    for kind in result.created:
+        await events.post(kube, body, events.NORMAL, events.CREATED, f"created {kind} {child_name(idep)}")
+    if result.rolled_out:
+        steps = rollout_strategy(idep)["rollingUpdate"]
+        message = (
+            f"pod template of Deployment {child_name(idep)} changed: replacing pods, "
+            f"{idep.spec.rollout.strategy} rollout (maxSurge {steps['maxSurge']}, "
+            f"maxUnavailable {steps['maxUnavailable']})"
+        )
+        await events.post(kube, body, events.NORMAL, events.ROLLING_OUT, message)
+
+
+async def warn(kube: KubeClient, body: Mapping[str, Any], reason: str, message: str) -> None:
+    """A Warning Event, unless the status already carries this very problem (then it was posted when it
+    appeared; resyncs every few seconds would otherwise repeat it forever)."""
+    degraded: Mapping[str, Any] = next(
+        (c for c in (body.get("status") or {}).get("conditions") or [] if c.get("type") == "Degraded"), {}
+    )
+    if degraded.get("reason") == reason and degraded.get("message") == message:
+        return
+    await events.post(kube, body, events.WARNING, reason, message)
+
+
+async def reconcile_quietly(kube: KubeClient, body: Mapping[str, Any], config: OperatorConfig) -> None:
     """For triggers outside kopf's retry machinery: failures are logged and retried on the next trigger."""
     try:
-        await reconcile(kube, body)
+        await reconcile(kube, body, config)
     except (kopf.PermanentError, kopf.TemporaryError, KubeError) as error:
         logger.info("reconcile of %s deferred: %s", body.get("metadata", {}).get("name"), error)
 
@@ -169,8 +287,8 @@ async def autoscale_once(memo: kopf.Memo, idep: InferenceDeployment, state: Scal
     """Scrape ready pods, decide, patch the Deployment's replicas. None when there is no Deployment yet."""
     kube: KubeClient = memo.kube
     deployment = await kube.get("Deployment", idep.namespace, child_name(idep))
-    if deployment is None:
-        return None
+    if deployment is None or not is_controlled_by(deployment, idep):
+        return None  # not there yet, or someone else's (reconcile reports that): never scale it
     current = int(deployment["spec"].get("replicas") or 0)
     pods = await kube.list("Pod", idep.namespace, selector_string(idep))
     metric = METRIC_NAMES[idep.spec.autoscaling.metric]
@@ -190,7 +308,20 @@ async def autoscale_once(memo: kopf.Memo, idep: InferenceDeployment, state: Scal
         version = deployment["metadata"].get("resourceVersion")
         patch = {"metadata": {"resourceVersion": version}, "spec": {"replicas": decision.desired}}
         await kube.patch("Deployment", idep.namespace, child_name(idep), patch)
+        subject = {"metadata": {"name": idep.name, "namespace": idep.namespace, "uid": idep.uid}}
+        await events.post(kube, subject, events.NORMAL, *scale_event(idep, decision))
     return decision
+
+
+def scale_event(idep: InferenceDeployment, decision: Decision) -> tuple[str, str]:
+    """(reason, message) of the Event for a replica change: direction, why, and the metric behind it."""
+    scaling = idep.spec.autoscaling
+    value = "no samples" if decision.value is None else f"{decision.value:.4g} per ready pod"
+    message = (
+        f"scaled Deployment {child_name(idep)} from {decision.current} to {decision.desired} replicas "
+        f"({decision.reason}; {scaling.metric} {value}, target {scaling.target:g})"
+    )
+    return (events.SCALED_UP if decision.desired > decision.current else events.SCALED_DOWN), message
 
 
 def policy_for(idep: InferenceDeployment) -> ScalingPolicy:

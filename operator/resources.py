@@ -11,6 +11,7 @@ import hashlib
 import json
 from typing import Any
 
+from loraplex.operator.overlay import apply_overlay
 from loraplex.operator.spec import GROUP, KIND, VERSION, InferenceDeployment
 
 ENGINE_PORT = 8000
@@ -106,6 +107,18 @@ def config_map(idep: InferenceDeployment) -> dict[str, Any]:
 
 def deployment(idep: InferenceDeployment, config_hash: str) -> dict[str, Any]:
     spec = idep.spec
+    template = {
+        "metadata": {
+            "labels": labels(idep),
+            "annotations": {
+                CONFIG_HASH_ANNOTATION: config_hash,
+                "prometheus.io/scrape": "true",
+                "prometheus.io/port": str(ENGINE_PORT),
+                "prometheus.io/path": "/metrics",
+            },
+        },
+        "spec": _pod_spec(idep),
+    }
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -114,21 +127,21 @@ def deployment(idep: InferenceDeployment, config_hash: str) -> dict[str, Any]:
             # The autoscaler owns this number between min and max; apply keeps the live value (see apply.py).
             "replicas": spec.replicas.min,
             "selector": {"matchLabels": selector_labels(idep)},
-            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
-            "template": {
-                "metadata": {
-                    "labels": labels(idep),
-                    "annotations": {
-                        CONFIG_HASH_ANNOTATION: config_hash,
-                        "prometheus.io/scrape": "true",
-                        "prometheus.io/port": str(ENGINE_PORT),
-                        "prometheus.io/path": "/metrics",
-                    },
-                },
-                "spec": _pod_spec(idep),
-            },
+            "strategy": rollout_strategy(idep),
+            "template": apply_overlay(template, spec.pod_template),
         },
     }
+
+
+def rollout_strategy(idep: InferenceDeployment) -> dict[str, Any]:
+    """Surge: new pods start before old ones stop (a spare GPU per surge pod, no capacity lost); Replace:
+    old pods stop first (no spare GPU needed, capacity dips), for clusters without a free GPU."""
+    rollout = idep.spec.rollout
+    if rollout.strategy == "Replace":
+        steps = {"maxSurge": 0, "maxUnavailable": rollout.max_unavailable}
+    else:
+        steps = {"maxSurge": rollout.max_surge, "maxUnavailable": 0}
+    return {"type": "RollingUpdate", "rollingUpdate": steps}
 
 
 def _pod_spec(idep: InferenceDeployment) -> dict[str, Any]:

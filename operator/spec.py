@@ -13,6 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from loraplex.operator.overlay import OverlayError, PodTemplateOverlay, parse_pod_template
+
 GROUP = "loraplex.dev"
 VERSION = "v1alpha1"
 PLURAL = "inferencedeployments"
@@ -24,12 +26,28 @@ MODEL_URI_SCHEMES = ("file", "s3", "hf")
 DTYPES = ("float32", "bfloat16", "float16")
 AUTOSCALING_MODES = ("builtin", "hpa", "off")
 METRICS = ("waiting_requests", "running_requests", "pool_utilization")
+# Surge: one extra pod during a rollout, none unavailable (needs a spare GPU); Replace: stop one pod, then
+# start its successor (no spare GPU needed, one replica fewer while it loads).
+ROLLOUT_STRATEGIES = ("Surge", "Replace")
+
+# Limits shared with the CRD's schema and CEL rules (tests/operator/test_cel.py checks they agree).
+# Children are named `<name>-engine`, and a Service name is a DNS-1035 label of at most 63 characters.
+MAX_NAME_LENGTH = 63 - len("-engine")
+# The engine runs one model on one device (engine/config.py: cuda, no tensor parallelism): a second GPU
+# in the pod would sit idle. More throughput comes from more replicas.
+MAX_GPUS_PER_REPLICA = 1
+MAX_REPLICAS = 1000
+MAX_ROLLOUT_STEP = 100
+MAX_TARGET = 1e9
+# The HPA's target is a Kubernetes quantity with milli precision: 0.001 is the smallest that is not 0.
+MIN_HPA_TARGET = 0.001
+MAX_STABILIZATION_SECONDS = 3600
 
 _QUANTITY = r"[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|K|M|G|T)?"
 _CPU = re.compile(r"^[0-9]+(\.[0-9]+)?m?$")
 _MEMORY = re.compile(f"^{_QUANTITY}$")
 # Children are named `<cr name>-engine`; a Service name is a DNS-1035 label of at most 63 characters.
-_NAME = re.compile(r"^[a-z]([-a-z0-9]{0,54}[a-z0-9])?$")
+_NAME = re.compile(rf"^[a-z]([-a-z0-9]{{0,{MAX_NAME_LENGTH - 2}}}[a-z0-9])?$")
 # Secret and PVC names are DNS subdomains; Secret keys are [-._a-zA-Z0-9]+.
 _OBJECT_NAME = re.compile(r"^[a-z0-9]([-.a-z0-9]{0,251}[a-z0-9])?$")
 _SECRET_KEY = re.compile(r"^[-._a-zA-Z0-9]{1,253}$")
@@ -38,6 +56,12 @@ _HF_URI = re.compile(
 )
 _S3_URI = re.compile(r"^s3://[a-z0-9][-a-z0-9.]{1,61}[a-z0-9](/[^\s]*)?$")
 _MAX_URI = 2048
+# [registry[:port]/]path[:tag][@sha256:digest], lowercase path as registries require.
+MAX_IMAGE_LENGTH = 512
+_IMAGE = re.compile(
+    r"^[a-zA-Z0-9][-a-zA-Z0-9.]*(:[0-9]+)?(/[a-z0-9]+([._-]+[a-z0-9]+)*)*"
+    r"(:[A-Za-z0-9_][-A-Za-z0-9_.]{0,127})?(@sha256:[a-f0-9]{64})?$"
+)
 # The operator sets these itself: the Service, probes and NetworkPolicy depend on them.
 MANAGED_ARGS = ("--model", "--port", "--host")
 INTERNAL_TOKEN_KEY = "internal-token"
@@ -85,6 +109,13 @@ class AutoscalingSpec:
 
 
 @dataclass(frozen=True)
+class RolloutSpec:
+    strategy: str = "Surge"
+    max_surge: int = 1  # Surge only: extra pods started before old ones stop
+    max_unavailable: int = 1  # Replace only: pods stopped before their successors start
+
+
+@dataclass(frozen=True)
 class SecretKeyRef:
     name: str
     key: str = INTERNAL_TOKEN_KEY
@@ -118,6 +149,8 @@ class InferenceDeploymentSpec:
     autoscaling: AutoscalingSpec = field(default_factory=AutoscalingSpec)
     adapter_store: AdapterStoreSpec | None = None
     model_cache: ModelCacheSpec = field(default_factory=ModelCacheSpec)
+    rollout: RolloutSpec = field(default_factory=RolloutSpec)
+    pod_template: PodTemplateOverlay = field(default_factory=PodTemplateOverlay)
 
 
 @dataclass(frozen=True)
@@ -137,7 +170,7 @@ def parse(body: Mapping[str, Any]) -> InferenceDeployment:
     name = str(meta.get("name") or "")
     if not _NAME.fullmatch(name):
         raise SpecError(
-            f"metadata.name {name!r} must be a lowercase DNS label of at most 56 characters "
+            f"metadata.name {name!r} must be a lowercase DNS label of at most {MAX_NAME_LENGTH} characters "
             "(children get a '-engine' suffix); rename the InferenceDeployment"
         )
     return InferenceDeployment(
@@ -168,7 +201,16 @@ def parse_spec(raw: Any) -> InferenceDeploymentSpec:
         ),
         adapter_store=_parse_adapter_store(spec.get("adapterStore")),
         model_cache=_parse_model_cache(_section(spec.get("modelCache"), "spec.modelCache")),
+        rollout=_parse_rollout(_section(spec.get("rollout"), "spec.rollout")),
+        pod_template=_parse_pod_template(spec.get("podTemplate")),
     )
+
+
+def _parse_pod_template(raw: Any) -> PodTemplateOverlay:
+    try:
+        return parse_pod_template(raw)
+    except OverlayError as error:
+        raise SpecError(str(error)) from error
 
 
 def _parse_model(raw: Mapping[str, Any]) -> ModelSpec:
@@ -214,8 +256,14 @@ def _parse_engine(raw: Mapping[str, Any]) -> EngineSpec:
                 f"spec.engine.extraArgs sets {arg.split('=', 1)[0]}, which the operator sets itself "
                 "(spec.model.uri, port 8000); remove it"
             )
+    image = _string(raw, "image", "spec.engine")
+    if len(image) > MAX_IMAGE_LENGTH or not _IMAGE.fullmatch(image):
+        raise SpecError(
+            f"spec.engine.image {image[:100]!r} is not an image reference such as "
+            "ghcr.io/loraplex/engine:0.1.0 or registry/name@sha256:<digest>"
+        )
     return EngineSpec(
-        image=_string(raw, "image", "spec.engine"),
+        image=image,
         extra_args=tuple(extra),
         pool_fraction=_number(raw, "poolFraction", defaults.pool_fraction, 0.05, 0.98, "spec.engine"),
         max_resident_adapters=_integer(
@@ -236,15 +284,15 @@ def _parse_resources(raw: Mapping[str, Any]) -> ResourcesSpec:
     if not _MEMORY.fullmatch(memory):
         raise SpecError(f"spec.resources.memory {memory!r} is not a memory quantity; write e.g. '16Gi'")
     return ResourcesSpec(
-        gpus_per_replica=_integer(raw, "gpusPerReplica", defaults.gpus_per_replica, 0, 16, "spec.resources"),
+        gpus_per_replica=_gpus(raw.get("gpusPerReplica", defaults.gpus_per_replica)),
         cpu=cpu,
         memory=memory,
     )
 
 
 def _parse_replicas(raw: Mapping[str, Any]) -> ReplicasSpec:
-    low = _integer(raw, "min", ReplicasSpec.min, 1, 1000, "spec.replicas")
-    high = _integer(raw, "max", ReplicasSpec.max, 1, 1000, "spec.replicas")
+    low = _integer(raw, "min", ReplicasSpec.min, 1, MAX_REPLICAS, "spec.replicas")
+    high = _integer(raw, "max", ReplicasSpec.max, 1, MAX_REPLICAS, "spec.replicas")
     if low > high:
         raise SpecError(
             f"spec.replicas.min ({low}) exceeds spec.replicas.max ({high}); raise max or lower min"
@@ -252,24 +300,65 @@ def _parse_replicas(raw: Mapping[str, Any]) -> ReplicasSpec:
     return ReplicasSpec(min=low, max=high)
 
 
+def _gpus(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_GPUS_PER_REPLICA:
+        raise SpecError(
+            f"spec.resources.gpusPerReplica is {value!r}; the engine uses one GPU per replica (0 runs it on "
+            f"the CPU), so use 0 to {MAX_GPUS_PER_REPLICA} and raise spec.replicas.max for more throughput"
+        )
+    return value
+
+
+def _parse_rollout(raw: Mapping[str, Any]) -> RolloutSpec:
+    where = "spec.rollout"
+    defaults = RolloutSpec()
+    strategy = _choice(raw, "strategy", ROLLOUT_STRATEGIES, defaults.strategy, where)
+    # Each knob belongs to one strategy; setting the other's is a misunderstanding worth naming.
+    if strategy == "Surge" and "maxUnavailable" in raw:
+        raise SpecError(f"{where}.maxUnavailable applies to strategy Replace; Surge never stops a pod early")
+    if strategy == "Replace" and "maxSurge" in raw:
+        raise SpecError(f"{where}.maxSurge applies to strategy Surge; Replace never starts an extra pod")
+    return RolloutSpec(
+        strategy=strategy,
+        max_surge=_integer(raw, "maxSurge", defaults.max_surge, 1, MAX_ROLLOUT_STEP, where),
+        max_unavailable=_integer(raw, "maxUnavailable", defaults.max_unavailable, 1, MAX_ROLLOUT_STEP, where),
+    )
+
+
 def _parse_autoscaling(raw: Mapping[str, Any]) -> AutoscalingSpec:
     defaults = AutoscalingSpec()
     where = "spec.autoscaling"
+    mode = _choice(raw, "mode", AUTOSCALING_MODES, defaults.mode, where)
     metric = _choice(raw, "metric", METRICS, defaults.metric, where)
-    target = _number(raw, "target", defaults.target, 0.0, 1e9, where)
+    target = _number(raw, "target", defaults.target, 0.0, MAX_TARGET, where)
     if target <= 0:
         raise SpecError("spec.autoscaling.target must be greater than 0")
     if metric == "pool_utilization" and target > 1:
         raise SpecError(f"spec.autoscaling.target {target} is above 1 for pool_utilization (a fraction 0..1)")
+    if mode == "hpa" and target < MIN_HPA_TARGET:
+        raise SpecError(
+            f"spec.autoscaling.target {target} is below {MIN_HPA_TARGET}, the smallest target an HPA "
+            "quantity can carry (1m)"
+        )
     return AutoscalingSpec(
-        mode=_choice(raw, "mode", AUTOSCALING_MODES, defaults.mode, where),
+        mode=mode,
         metric=metric,
         target=target,
         scale_up_stabilization_seconds=_integer(
-            raw, "scaleUpStabilizationSeconds", defaults.scale_up_stabilization_seconds, 0, 3600, where
+            raw,
+            "scaleUpStabilizationSeconds",
+            defaults.scale_up_stabilization_seconds,
+            0,
+            MAX_STABILIZATION_SECONDS,
+            where,
         ),
         scale_down_stabilization_seconds=_integer(
-            raw, "scaleDownStabilizationSeconds", defaults.scale_down_stabilization_seconds, 0, 3600, where
+            raw,
+            "scaleDownStabilizationSeconds",
+            defaults.scale_down_stabilization_seconds,
+            0,
+            MAX_STABILIZATION_SECONDS,
+            where,
         ),
     )
 

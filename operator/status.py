@@ -156,3 +156,13 @@ def degraded_status(reason: str, message: str, generation: int) -> dict[str, Any
             condition("Degraded", True, reason, message, generation),
         ],
     }
+
+
+def with_problem(status: Mapping[str, Any], reason: str, message: str, generation: int) -> dict[str, Any]:
+    """A healthy_status with Degraded set to a problem the operator will not fix by itself (a same-named
+    object it does not own): Degraded True with that reason, phase Degraded."""
+    conditions = [
+        condition("Degraded", True, reason, message, generation) if c["type"] == "Degraded" else c
+        for c in status["conditions"]
+    ]
+    return {**status, "phase": "Degraded", "conditions": conditions}

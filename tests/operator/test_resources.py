@@ -11,6 +11,7 @@ import kubernetes_validate
 import pytest
 
 from loraplex.operator.apply import is_subset, plan
+from loraplex.operator.config import OperatorConfig
 from loraplex.operator.main import reconcile
 from loraplex.operator.resources import HASH_ANNOTATION, desired_objects, engine_args
 from loraplex.operator.spec import parse
@@ -236,6 +237,10 @@ def test_failing_engines_make_the_status_degraded_with_the_reason() -> None:
     assert healthy["Degraded"]["status"] == "False"
 
 
+# The examples' namespace may use its Secrets (the policy itself is tested in test_policy.py).
+PERMISSIVE = OperatorConfig(allowed_secrets=("loraplex/*",))
+
+
 class FakeKube:
     """The few KubeClient calls reconcile makes, over a dict of objects: enough to test the wiring."""
 
@@ -246,6 +251,9 @@ class FakeKube:
 
     async def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
         return self.objects.get((kind, name))
+
+    async def get_namespace(self, name: str) -> dict[str, Any] | None:
+        return None
 
     async def list(self, kind: str, namespace: str, selector: str) -> list[dict[str, Any]]:
         assert (kind, selector) == (
@@ -261,6 +269,8 @@ class FakeKube:
     async def patch(
         self, kind: str, namespace: str, name: str, patch: dict[str, Any], subresource: str | None = None
     ) -> dict[str, Any]:
+        if kind == "Event":
+            return patch
         assert (kind, subresource) == ("InferenceDeployment", "status")
         self.status_patches.append(patch["status"])
         return patch
@@ -276,7 +286,7 @@ def test_reconcile_reports_a_model_that_does_not_load() -> None:
         lastState={"terminated": {"exitCode": 2, "message": MODEL_MISSING}},
     )
     kube = FakeKube([crashing])
-    status = asyncio.run(reconcile(kube, body()))  # type: ignore[arg-type]
+    status = asyncio.run(reconcile(kube, body(), PERMISSIVE))  # type: ignore[arg-type]
     ready = next(c for c in status["conditions"] if c["type"] == "Ready")
     assert ready["reason"] == "EngineFailing" and "NoSuchKey" in ready["message"]
     assert kube.status_patches[-1]["phase"] == "Degraded"
@@ -285,8 +295,8 @@ def test_reconcile_reports_a_model_that_does_not_load() -> None:
 def test_reconcile_rejects_an_unsupported_model_uri_for_good() -> None:
     kube = FakeKube([])
     with pytest.raises(kopf.PermanentError, match="scheme 'gs' is not supported"):
-        asyncio.run(reconcile(kube, body(model={"uri": "gs://bucket/model"})))  # type: ignore[arg-type]
+        asyncio.run(reconcile(kube, body(model={"uri": "gs://bucket/model"}), PERMISSIVE))  # type: ignore[arg-type]
     degraded = next(c for c in kube.status_patches[-1]["conditions"] if c["type"] == "Degraded")
     assert (degraded["status"], degraded["reason"]) == ("True", "InvalidSpec")
     assert "use an absolute path, file://, s3://, hf://" in degraded["message"]
-    assert not kube.objects  # nothing applied
+    assert {kind for kind, _ in kube.objects} == {"Event"}  # nothing applied, the refusal announced

@@ -1,0 +1,200 @@
+"""The CRD's CEL rules, evaluated by a real CEL interpreter: each rejects its bad body with its message, the
+examples pass, every rule is exercised, and spec.py refuses the same bodies with the same limits."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from loraplex.operator import spec as spec_module
+from loraplex.operator.overlay import OPERATOR_ENV, OPERATOR_LABELS
+from loraplex.operator.spec import SpecError, parse
+from tests.operator.crd_validation import admission_errors, cel_failures, rules, schema_errors
+from tests.operator.helpers import EXAMPLES, body, crd_schema, load_yaml
+
+Mutation = Callable[[dict[str, Any]], None]
+
+
+def _set(path: str, value: Any) -> Mutation:
+    def mutate(obj: dict[str, Any]) -> None:
+        *parents, last = path.split(".")
+        node = obj
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[last] = value
+
+    return mutate
+
+
+def _pod_template(**spec: Any) -> Mutation:
+    return _set("spec.podTemplate", {"spec": spec})
+
+
+# (case id, mutation, a fragment of the CEL rule's message); each also fails spec.parse.
+CEL_CASES: list[tuple[str, Mutation, str]] = [
+    ("name-too-long", _set("metadata.name", "a" * 57), "at most 56 characters"),
+    ("name-starts-with-digit", _set("metadata.name", "7llama"), "DNS label starting with a letter"),
+    ("min-above-max", _set("spec.replicas", {"min": 3, "max": 2}), "replicas.min must not exceed"),
+    (
+        "pool-utilization-above-1",
+        _set("spec.autoscaling", {"metric": "pool_utilization", "target": 2}),
+        "fraction 0..1",
+    ),
+    ("hpa-target-below-1m", _set("spec.autoscaling", {"mode": "hpa", "target": 0.0001}), "1m is the least"),
+    ("extra-arg-port", _set("spec.engine.extraArgs", ["--port=9000"]), "must not set --model, --port"),
+    ("extra-arg-model", _set("spec.engine.extraArgs", ["--model", "/x"]), "must not set --model, --port"),
+    (
+        "cache-claim-and-size",
+        _set("spec.modelCache", {"claimName": "models", "sizeLimit": "1Gi"}),
+        "sizeLimit applies to the emptyDir",
+    ),
+    (
+        "surge-with-max-unavailable",
+        _set("spec.rollout", {"strategy": "Surge", "maxUnavailable": 1}),
+        "maxUnavailable applies to strategy Replace",
+    ),
+    (
+        "replace-with-max-surge",
+        _set("spec.rollout", {"strategy": "Replace", "maxSurge": 1}),
+        "maxSurge applies to strategy Surge",
+    ),
+    (
+        "selector-label",
+        _set("spec.podTemplate", {"metadata": {"labels": {"app.kubernetes.io/instance": "x"}}}),
+        "must not set the operator's app.kubernetes.io/* labels",
+    ),
+    (
+        "operator-annotation",
+        _set("spec.podTemplate", {"metadata": {"annotations": {"loraplex.dev/config-hash": "x"}}}),
+        "under loraplex.dev/ are the operator's",
+    ),
+    ("run-as-root-allowed", _pod_template(securityContext={"runAsNonRoot": False}), "runAsNonRoot must stay"),
+    ("run-as-uid-0", _pod_template(securityContext={"runAsUser": 0}), "runAsUser must not be 0"),
+    (
+        "seccomp-unconfined",
+        _pod_template(securityContext={"seccompProfile": {"type": "Unconfined"}}),
+        "RuntimeDefault or",
+    ),
+    ("sidecar", _pod_template(containers=[{"name": "proxy"}]), "only the engine container"),
+    (
+        "token-env",
+        _pod_template(
+            containers=[{"name": "engine", "env": [{"name": "LORAPLEX_INTERNAL_TOKEN", "value": "x"}]}]
+        ),
+        "must not set the variables the operator sets",
+    ),
+    (
+        "mount-over-tmp",
+        _pod_template(
+            containers=[{"name": "engine", "volumeMounts": [{"name": "extra", "mountPath": "/tmp/x"}]}],
+            volumes=[{"name": "extra", "emptyDir": {}}],
+        ),
+        "must not mount over /tmp",
+    ),
+    (
+        "operator-volume",
+        _pod_template(volumes=[{"name": "tmp", "emptyDir": {}}]),
+        "volumes model-cache and tmp",
+    ),
+]
+
+# Limits the schema alone enforces (no CEL): the same numbers as spec.py.
+SCHEMA_CASES: list[tuple[str, Mutation, str]] = [
+    ("two-gpus", _set("spec.resources.gpusPerReplica", 2), "is greater than the maximum of 1"),
+    ("image-with-space", _set("spec.engine.image", "ghcr.io/x y"), "does not match"),
+    ("unknown-strategy", _set("spec.rollout", {"strategy": "BlueGreen"}), "is not one of"),
+    ("surge-of-0", _set("spec.rollout", {"maxSurge": 0}), "is less than the minimum of 1"),
+    ("token-secret-name", _set("spec.internalTokenSecretRef", {"name": "Bad_Name"}), "does not match"),
+]
+
+
+def _mutated(mutation: Mutation) -> dict[str, Any]:
+    result = body()
+    mutation(result)
+    return result
+
+
+def test_examples_pass_admission() -> None:
+    for path in EXAMPLES:
+        assert admission_errors(load_yaml(path)) == [], path.name
+
+
+def test_a_full_pod_template_passes_admission_and_parses() -> None:
+    good = _mutated(
+        _set(
+            "spec.podTemplate",
+            {
+                "metadata": {"labels": {"team": "ml"}, "annotations": {"example.com/cost": "gpu"}},
+                "spec": {
+                    "nodeSelector": {"pool": "a100"},
+                    "tolerations": [{"key": "dedicated", "operator": "Exists", "effect": "NoSchedule"}],
+                    "securityContext": {"runAsUser": 1000, "seccompProfile": {"type": "RuntimeDefault"}},
+                    "containers": [
+                        {
+                            "name": "engine",
+                            "env": [{"name": "HF_HUB_OFFLINE", "value": "1"}],
+                            "volumeMounts": [{"name": "certs", "mountPath": "/etc/certs"}],
+                        }
+                    ],
+                    "volumes": [{"name": "certs", "configMap": {"name": "ca"}}],
+                },
+            },
+        )
+    )
+    assert admission_errors(good) == []
+    parse(good)
+
+
+@pytest.mark.parametrize(("mutation", "message"), [c[1:] for c in CEL_CASES], ids=[c[0] for c in CEL_CASES])
+def test_each_cel_rule_rejects_its_bad_case(mutation: Mutation, message: str) -> None:
+    bad = _mutated(mutation)
+    assert schema_errors(bad) == [], "the case must pass the schema and fail only the CEL rule"
+    messages = [failure.rule.message for failure in cel_failures(bad)]
+    assert len(messages) == 1 and message in messages[0], messages
+    with pytest.raises(SpecError):
+        parse(bad)
+
+
+@pytest.mark.parametrize(
+    ("mutation", "message"), [c[1:] for c in SCHEMA_CASES], ids=[c[0] for c in SCHEMA_CASES]
+)
+def test_schema_limits_reject_their_bad_case(mutation: Mutation, message: str) -> None:
+    bad = _mutated(mutation)
+    assert any(message in error for error in schema_errors(bad)), schema_errors(bad)
+    with pytest.raises(SpecError):
+        parse(bad)
+
+
+def test_every_rule_is_exercised_by_a_bad_case() -> None:
+    hit = {failure.rule.rule for _, mutation, _ in CEL_CASES for failure in cel_failures(_mutated(mutation))}
+    every = {rule.rule for rule in rules()}
+    assert every - hit == set()
+    assert all(rule.message for rule in rules())
+
+
+def test_the_crd_and_spec_py_share_their_limits() -> None:
+    spec = crd_schema()["properties"]["spec"]["properties"]
+    assert spec["resources"]["properties"]["gpusPerReplica"]["maximum"] == spec_module.MAX_GPUS_PER_REPLICA
+    assert spec["replicas"]["properties"]["max"]["maximum"] == spec_module.MAX_REPLICAS
+    assert spec["rollout"]["properties"]["maxSurge"]["maximum"] == spec_module.MAX_ROLLOUT_STEP
+    assert spec["rollout"]["properties"]["strategy"]["enum"] == list(spec_module.ROLLOUT_STRATEGIES)
+    assert spec["autoscaling"]["properties"]["target"]["maximum"] == spec_module.MAX_TARGET
+    window = spec["autoscaling"]["properties"]["scaleDownStabilizationSeconds"]["maximum"]
+    assert window == spec_module.MAX_STABILIZATION_SECONDS
+    assert spec["engine"]["properties"]["image"]["maxLength"] == spec_module.MAX_IMAGE_LENGTH
+    all_rules = " ".join(rule.rule for rule in rules())
+    assert f"size(self.metadata.name) <= {spec_module.MAX_NAME_LENGTH}" in all_rules
+    assert f"self.target >= {spec_module.MIN_HPA_TARGET}" in all_rules
+    env_rule = next(rule.rule for rule in rules() if "LORAPLEX_INTERNAL_TOKEN" in rule.rule)
+    assert set(re.findall(r"'([A-Z0-9_]+)'", env_rule)) == OPERATOR_ENV
+    label_rule = next(rule.rule for rule in rules() if "app.kubernetes.io/name" in rule.rule)
+    assert set(re.findall(r"'(app\.kubernetes\.io/[a-z-]+)'", label_rule)) == OPERATOR_LABELS
+
+
+def test_the_longest_name_fits_every_child() -> None:
+    longest = _mutated(_set("metadata.name", "a" * spec_module.MAX_NAME_LENGTH))
+    assert admission_errors(longest) == []
+    assert len(f"{parse(longest).name}-engine") == 63
