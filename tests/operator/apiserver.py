@@ -2,13 +2,17 @@
 
 What the plain emulator lacks, and a real API server does, added here:
 - uid, creationTimestamp, generation (bumped when spec changes) and a cluster-wide resourceVersion on
-  every write; 409 Conflict when a PATCH carries a stale metadata.resourceVersion; 422 when a CREATE
-  carries one at all;
+  every write, a DELETE that only sets deletionTimestamp (finalizers pending) included; 409 Conflict when
+  a PATCH carries a stale metadata.resourceVersion; 422 when a CREATE carries one at all;
 - the status subresource: PATCH .../status changes only status, the main endpoint ignores status;
 - LIST returns the current resourceVersion and filters by labelSelector; WATCH?resourceVersion=N replays
   every event after N from a log, then streams new ones, so nothing written between a LIST and its WATCH
   is lost (the plain emulator re-sends ADDED and would drop a DELETED);
 - garbage collection of objects whose owners (by ownerReferences uid) are gone.
+
+It also records every (apiGroup, resource[/subresource], verb) each client used, in `calls` by its bearer
+token ("" for none): RBAC is not enforced here, so tests compare what the operator did against the rules
+the chart grants it, and tell two operator processes apart.
 """
 
 from __future__ import annotations
@@ -26,6 +30,14 @@ import kmock
 from kmock._internal import aiobus, dicts, enums, references, rendering
 
 ALL_VERBS = ["get", "list", "watch", "create", "update", "patch", "delete"]
+RBAC_VERBS = {
+    enums.action.FETCH: "get",
+    enums.action.LIST: "list",
+    enums.action.WATCH: "watch",
+    enums.action.CREATE: "create",
+    enums.action.UPDATE: "patch",  # every client here sends PATCH, never PUT
+    enums.action.DELETE: "delete",
+}
 
 
 class _LoggingBuses(dict):  # type: ignore[type-arg]
@@ -53,6 +65,7 @@ class StrictApiServer(kmock.KubernetesEmulator):
     _log: list[tuple[int, references.resource, dict[str, Any]]] = attrs.field(factory=list, init=False)
     _changed: asyncio.Event = attrs.field(factory=asyncio.Event, init=False)
     _writes: asyncio.Lock = attrs.field(factory=asyncio.Lock, init=False)
+    calls: dict[str, set[tuple[str, str, str]]] = attrs.field(factory=dict, init=False)
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -87,7 +100,18 @@ class StrictApiServer(kmock.KubernetesEmulator):
             and "status" in self.resources[resource].subresources
         )
 
+    def _record_call(self, request: rendering.Request) -> None:
+        if request.resource is None or request.action not in RBAC_VERBS:
+            return
+        resource = str(request.resource.plural or "")
+        if request.subresource:
+            resource = f"{resource}/{request.subresource}"
+        token = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
+        call = (str(request.resource.group or ""), resource, RBAC_VERBS[request.action])
+        self.calls.setdefault(token, set()).add(call)
+
     async def _handle(self, request: rendering.Request) -> Any:
+        self._record_call(request)
         if request.resource is None or request.action not in (
             enums.action.CREATE,
             enums.action.UPDATE,
@@ -99,6 +123,8 @@ class StrictApiServer(kmock.KubernetesEmulator):
                 self._stamp_create(request)
             elif request.action == enums.action.UPDATE:
                 self._stamp_update(request)
+            else:
+                self._stamp_delete(request)
             try:
                 return await super()._handle(request)
             finally:
@@ -115,6 +141,20 @@ class StrictApiServer(kmock.KubernetesEmulator):
         meta["resourceVersion"] = self._next_version()
         if self._has_status(request.resource):
             request.data.pop("status", None)
+
+    def _stamp_delete(self, request: rendering.Request) -> None:
+        """A DELETE of an object with finalizers is a write (kmock sets deletionTimestamp): new version.
+
+        Without this the stored object kept its old resourceVersion while the MODIFIED event carried a new
+        one, so a finalizer-removal JSON patch testing the event's version was refused with 422 and the
+        object stayed until some unrelated write came along.
+        """
+        key = (request.resource, request.namespace, request.name)
+        if request.name is None or key not in self.objects or self.objects[key].deleted:
+            return
+        meta = self.objects[key].raw.get("metadata") or {}
+        if meta.get("finalizers") and not meta.get("deletionTimestamp"):
+            self.objects[key].patch({"metadata": {"resourceVersion": self._next_version()}})
 
     def _stamp_update(self, request: rendering.Request) -> None:
         key = (request.resource, request.namespace, request.name)

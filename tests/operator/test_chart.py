@@ -104,7 +104,10 @@ def test_gpu_values_expose_the_control_plane_and_scope_the_operator() -> None:
     ingress = next(o for o in objects if o["kind"] == "Ingress")
     assert ingress["spec"]["tls"][0]["secretName"] == "llm-example-com-tls"
     operator = deployment(objects, "operator")
-    assert operator["spec"]["template"]["spec"]["containers"][0]["args"] == ["--namespace=loraplex"]
+    assert operator["spec"]["template"]["spec"]["containers"][0]["args"] == [
+        "--peering=loraplex-operator",
+        "--namespace=loraplex",
+    ]
     # The database URL comes from the existing Secret: the chart makes only the shared secrets.
     assert [o["metadata"]["name"] for o in objects if o["kind"] == "Secret"] == ["loraplex-secrets"]
     assert all(o["kind"] != "StatefulSet" for o in objects)
@@ -215,26 +218,6 @@ def test_extra_env_reaches_web_migration_and_operator() -> None:
         assert container_env(workload)["HTTPS_PROXY"] == extra[0]
 
 
-def test_discovery_rbac_reads_pods_in_each_listed_namespace_only() -> None:
-    objects = render({"web": {"discovery": {"namespaces": ["team-a", "team-b"]}}})
-    roles = [o for o in objects if o["kind"] == "Role"]
-    assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
-    for role in roles:
-        assert role["rules"] == [
-            {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}
-        ]
-    bindings = [o for o in objects if o["kind"] == "RoleBinding"]
-    assert sorted(b["metadata"]["namespace"] for b in bindings) == ["team-a", "team-b"]
-    for binding in bindings:
-        assert binding["subjects"] == [
-            {"kind": "ServiceAccount", "name": "loraplex-web", "namespace": "loraplex"}
-        ]
-    web = deployment(objects, "web")["spec"]["template"]["spec"]
-    assert web["serviceAccountName"] == "loraplex-web"
-    default = [o["metadata"]["namespace"] for o in render(None) if o["kind"] == "Role"]
-    assert default == ["loraplex"]
-
-
 def test_network_policy_lets_only_the_control_plane_and_operator_reach_engines() -> None:
     prometheus = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
     objects = render({"networkPolicy": {"extraFrom": [prometheus]}})
@@ -258,15 +241,6 @@ def test_network_policy_lets_only_the_control_plane_and_operator_reach_engines()
     engine = selector_labels(parse(body()))
     assert policy["spec"]["podSelector"]["matchLabels"].items() <= engine.items()
     assert all(o["kind"] != "NetworkPolicy" for o in render({"networkPolicy": {"enabled": False}}))
-
-
-def test_operator_rbac_is_least_privilege() -> None:
-    role = next(o for o in render(None) if o["kind"] == "ClusterRole")
-    resources = {res for rule in role["rules"] for res in rule["resources"]}
-    assert "secrets" not in resources and "*" not in resources
-    assert all("*" not in rule["verbs"] for rule in role["rules"])
-    pods = next(rule for rule in role["rules"] if rule["resources"] == ["pods"])
-    assert pods["verbs"] == ["list"]
 
 
 def test_values_schema_rejects_a_typo() -> None:

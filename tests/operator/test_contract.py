@@ -20,7 +20,7 @@ from kopf.cli import main as kopf_main
 from pydantic_settings import BaseSettings
 
 from loraplex.cli.main import build_parser
-from loraplex.engine.server.settings import ServerSettings
+from loraplex.engine.server.settings import ALL_OPTIONS, ServerSettings
 from loraplex.operator.config import OperatorConfig
 from loraplex.operator.resources import desired_objects
 from loraplex.operator.spec import parse
@@ -70,7 +70,10 @@ def loraplex_env_names(workload: dict[str, Any], config_maps: list[dict[str, Any
 
 
 def env_fields(settings_class: type[BaseSettings]) -> set[str]:
-    return {f"LORAPLEX_{name.upper()}" for name in settings_class.model_fields}
+    names = {f"LORAPLEX_{name.upper()}" for name in settings_class.model_fields}
+    if settings_class is ServerSettings:  # its options' old names are read too (LORAPLEX_POOL_FRACTION)
+        names |= {variable for option in ALL_OPTIONS for variable in option.variables}
+    return names
 
 
 # --- the chart's control plane -------------------------------------------------------------------------
@@ -113,7 +116,7 @@ def test_operator_command_and_env_are_what_kopf_and_the_operator_read() -> None:
         # kopf's own click command parses the line; make_context raises on an unknown option.
         with kopf_main.commands["run"].make_context("kopf run", argv[2:]) as context:
             assert context.params["modules"] == ("loraplex.operator.main",)
-            assert context.params["standalone"] is True
+            assert not context.params["standalone"] and context.params["peering_name"] == "loraplex-operator"
             assert context.params["liveness_endpoint"] == "http://0.0.0.0:8080/healthz"
             assert context.params["clusterwide"] or context.params["namespaces"]
             assert context.params["debug"] == (values is not None)

@@ -178,7 +178,8 @@ def test_builtin_autoscaler_follows_engine_metrics(cluster: Cluster, operator: N
         what="decision in status",
     )
     assert decision["metric"] == "waiting_requests"
-    assert len(cluster.list("Pod")) >= 4
+    # The fake kubelet makes the pods a moment after the Deployment's replicas change: wait for them.
+    wait_for(lambda: len(cluster.list("Pod")) >= 4, what="4 engine pods")
     cluster.set_load(0.0)
     # After the 2 s stabilization window, down by at most 50% per minute: 4 -> 2.
     wait_for(lambda: replicas() == 2, timeout=60, what="scale down to 2")

@@ -79,3 +79,64 @@ seccompProfile:
 - name: LORAPLEX_DATA_DIR
   value: /tmp/loraplex
 {{- end -}}
+
+{{/* The namespaces the operator watches, comma-joined ("" with clusterScope: every namespace). */}}
+{{- define "loraplex.operator.namespaces" -}}
+{{- if not .Values.operator.clusterScope -}}
+{{- .Values.operator.watchNamespaces | default (list .Release.Namespace) | join "," -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The operator's ClusterKopfPeering: one per release, cluster-wide whatever the watched namespaces. */}}
+{{- define "loraplex.operator.peering" -}}
+{{- printf "%s-operator" (include "loraplex.fullname" .) -}}
+{{- end -}}
+
+{{/* Secrets an InferenceDeployment may mount besides operator.policy.allowedSecrets: the chart's own. */}}
+{{- define "loraplex.operator.allowedSecrets" -}}
+{{- $secrets := list (printf "%s/%s" .Release.Namespace (include "loraplex.secretsName" .)) -}}
+{{- range $namespace := .Values.web.discovery.namespaces -}}
+{{- $secrets = append $secrets (printf "%s/%s" $namespace (include "loraplex.secretsName" $)) -}}
+{{- end -}}
+{{- with .Values.adapterStore.existingSecret -}}
+{{- $secrets = append $secrets (printf "%s/%s" $.Release.Namespace .) -}}
+{{- end -}}
+{{- concat $secrets .Values.operator.policy.allowedSecrets | uniq | join "," -}}
+{{- end -}}
+
+{{/* What the operator does in a namespace it watches; exactly the calls of operator/*.py and kopf. */}}
+{{- define "loraplex.operator.namespacedRules" -}}
+# kopf lists and watches InferenceDeployments and patches its bookkeeping annotations onto them; each
+# daemon reads its object back to stop once it is gone.
+- apiGroups: [loraplex.dev]
+  resources: [inferencedeployments]
+  verbs: [get, list, watch, patch]
+# status: phase, conditions, replicas, the last scaling decision.
+- apiGroups: [loraplex.dev]
+  resources: [inferencedeployments/status]
+  verbs: [patch]
+# The engine Deployment: kopf watches the owned ones, so a deleted or edited child is restored at once.
+- apiGroups: [apps]
+  resources: [deployments]
+  verbs: [get, list, watch, create, patch]
+# The other children are read and repaired on each resync; none of them is ever deleted by the operator
+# (deleting the InferenceDeployment deletes them through owner references).
+- apiGroups: [""]
+  resources: [services, configmaps]
+  verbs: [get, create, patch]
+- apiGroups: [policy]
+  resources: [poddisruptionbudgets]
+  verbs: [get, create, patch]
+# The HPA exists only in autoscaling.mode=hpa: leaving that mode deletes it.
+- apiGroups: [autoscaling]
+  resources: [horizontalpodautoscalers]
+  verbs: [get, create, patch, delete]
+# Engine pods are listed to scrape their /metrics and to report why one cannot start.
+- apiGroups: [""]
+  resources: [pods]
+  verbs: [list]
+# Events: kopf posts them; the operator's own (scaling, refusals) are read back and counted on repeat.
+- apiGroups: [""]
+  resources: [events]
+  verbs: [get, create, patch]
+{{- end -}}
