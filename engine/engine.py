@@ -1,10 +1,13 @@
-"""LLMEngine: the offline API. `step()` is schedule → run → postprocess; `generate()` loops it.
+"""LLMEngine: the offline API. `step()` is schedule → load adapters → run → sample → postprocess;
+`generate()` loops it.
 
-One tenant's adapter must not fail another tenant's request. A step that raises (or yields logits that
-are not finite) is run again once; if it fails again, the batch is bisected by adapter to find the
-adapters whose requests fail on their own. Only their requests end, with `adapter_failed`, the adapters
-are refused from then on, and the rest of the batch runs. A failure no adapter explains is raised (as
-`StepError`, after the one retry) for the server to fail the step's requests.
+One tenant's adapter must not fail another tenant's request. An adapter that cannot be loaded ends only
+its own requests (adapter_failed, or adapter_unavailable when its store did not answer). A step that
+raises (or yields logits that are not finite) is run again once; if it fails again, the batch is
+bisected by adapter to find the adapters whose requests fail on their own. Only their requests end,
+with `adapter_failed`, the adapters are refused from then on, and the rest of the batch runs. A failure
+no adapter explains is raised (as `StepError`, after the one retry) for the server to fail the step's
+requests.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from typing import Any
 
 import torch
 
-from loraplex.adapters import AdapterError, AdapterManifest
+from loraplex.adapters import AdapterManifest, BaseShape
 
 # Why a request ended with an error (finish_reason "error"): the wire contract's codes. ADAPTER_FAILED: the
 # adapter is at fault, refused until registered with other weights; ADAPTER_UNAVAILABLE: its store could not
@@ -28,16 +31,19 @@ from loraplex.wire import ADAPTER_FAILED, ADAPTER_UNAVAILABLE, ENGINE_ERROR
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
 from .kv_cache import KVCache, page_bytes
-from .lora.residency import AdapterResidency
-from .lora.sources import AdapterSource
+from .lora.loader import AdapterLoader, LoadFailure
+from .lora.registry import AdapterRegistry
+from .lora.sources import AdapterSource, DirectorySource
 from .lora.step import KernelLoraStacker, LoraStacker
 from .model.loader import LoadedModel, load_model
 from .pool import PageKind, PagePool
-from .request import Request, RequestOutput, RequestStatus
+from .request import OutputState, Request, RequestOutput, RequestStatus, SamplingState
 from .runner import ModelRunner
 from .sampler import sample, token_logprobs
 from .sampling_params import SamplingParams
-from .scheduler import ScheduledChunk, Scheduler
+from .scheduler import ScheduledChunk, Scheduler, StepPlan
+from .stats import AdapterInfo, EngineStats
+from .stopping import StopChecker, next_delta
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +63,14 @@ class RequestTooLarge(ValueError):
     def __init__(self, message: str, param: str):
         super().__init__(message)
         self.param = param
+
+
+class UnknownAdapterError(ValueError):
+    """A request named an adapter that is not registered (never, or not any more)."""
+
+
+class RefusedAdapterError(ValueError):
+    """A request named an adapter that is refused (it is at fault); the message says why."""
 
 
 class NonFiniteLogits(RuntimeError):
@@ -108,22 +122,26 @@ class LLMEngine:
             raise RuntimeError("a fresh pool must hand out page 0 first")
         self.cache = KVCache(model_config, num_pages, config.page_size, dtype, device)
         head_dim = model_config.head_dim
-        self.adapters = AdapterResidency(
-            self.pool,
+        self.registry = AdapterRegistry(self.pool, config.max_resident_adapters)
+        self.loader = AdapterLoader(
+            self.registry,
             self.cache.memory.view(-1, head_dim),
             model_config.lora_shape(),
             rows_per_page=self.cache.pages().shape[1] // head_dim,
             host_cache_bytes=config.adapter_host_cache_bytes,
-            max_resident=config.max_resident_adapters,
         )
+        eos = self.tokenizer.eos_token_ids if self.tokenizer else model_config.eos_token_ids
         self.scheduler = Scheduler(
-            self.pool, config.page_size, config.max_num_seqs, config.max_batch_tokens, self.adapters
+            self.pool,
+            config.page_size,
+            config.max_num_seqs,
+            config.max_batch_tokens,
+            self.registry,
+            stop=StopChecker(eos, self.max_model_len),
         )
         use_kernels = config.use_kernels(device)
-        stacker = KernelLoraStacker(self.adapters) if use_kernels else LoraStacker(self.adapters)
+        stacker = KernelLoraStacker(self.loader) if use_kernels else LoraStacker(self.loader)
         self.runner = ModelRunner(loaded.model, self.cache, stacker, use_kernels)
-        eos = self.tokenizer.eos_token_ids if self.tokenizer else model_config.eos_token_ids
-        self.eos_token_ids = frozenset(eos)
         self._requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self._seeds = torch.Generator().manual_seed(config.seed)
@@ -145,7 +163,7 @@ class LLMEngine:
             budget = self.config.kv_cache_bytes
         return max(1, budget // per_page)
 
-    # -- requests ---------------------------------------------------------------------------------
+    # -- adapters -----------------------------------------------------------------------------------
 
     def register_adapter(
         self, name: str, source: str | Path | AdapterSource, sha256: str | None = None
@@ -154,15 +172,31 @@ class LLMEngine:
         only if its weights have that hash) or any AdapterSource. Validated against this model now,
         read and loaded into the pool when a request needs it. Raises AdapterError naming the problem."""
         if isinstance(source, str | Path):
-            return self.adapters.register_path(name, source, sha256)
-        return self.adapters.register(name, source)
+            source = DirectorySource.open(source, self.loader.base, sha256)
+        return self.registry.register(name, source, self.loader.pages_for(source.manifest))
 
-    def unregister_adapter(self, name: str) -> None:
-        """Stop serving `name` and free its pages; refused (AdapterError) while requests name it."""
-        users = sum(1 for r in self._requests.values() if r.adapter == name and not r.finished)
-        if users:
-            raise AdapterError(f"adapter {name!r} is in use by {users} request(s); retry when they finish")
-        self.adapters.unregister(name)
+    def unregister_adapter(self, name: str) -> bool:
+        """Stop serving `name`: new requests naming it are refused at once (it is unknown from now on);
+        those already here finish. True if it is forgotten now, False if it drains: its pages and host
+        copy are freed when its last request ends. AdapterError if it is not registered."""
+        return self.registry.unregister(name)
+
+    def adapter(self, name: str) -> AdapterInfo | None:
+        """The registered adapter `name` (None if unknown, or unregistered and draining)."""
+        if name not in self.registry:
+            return None
+        entry = self.registry.entry(name)
+        assert entry is not None
+        return AdapterInfo(
+            name, entry.manifest.sha256, entry.num_pages, entry.resident, self.registry.failed.get(name)
+        )
+
+    def adapters(self) -> list[AdapterInfo]:
+        """Every registered adapter, by name."""
+        infos = (self.adapter(name) for name in self.registry.names())
+        return [info for info in infos if info is not None]
+
+    # -- requests ---------------------------------------------------------------------------------
 
     def add_request(
         self,
@@ -172,12 +206,10 @@ class LLMEngine:
         adapter: str | None = None,
     ) -> str:
         """Queue a prompt (text, or token ids) and return its request id; `adapter` names a registered
-        adapter (None: the base model)."""
+        adapter (None: the base model). Its adapter starts loading into host memory now."""
         params = params or SamplingParams()
-        if adapter is not None and adapter not in self.adapters.registered:
-            raise ValueError(f"adapter {adapter!r} is not registered")
-        if adapter is not None and adapter in self.adapters.failed:
-            raise ValueError(f"adapter {adapter!r} cannot be served: {self.adapters.failed[adapter]}")
+        if adapter is not None:
+            self._check_adapter(adapter)
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer; pass prompt token ids instead of text")
@@ -198,12 +230,29 @@ class LLMEngine:
                 else int(torch.randint(2**62, (1,), generator=self._seeds))
             )
             generator = torch.Generator().manual_seed(seed)
-        request = Request(request_id, ids, params, arrival, prompt=text, generator=generator, adapter=adapter)
-        if self.tokenizer is not None:
-            request.detokenizer = IncrementalDetokenizer(self.tokenizer.decode, ids)
+        detokenizer = IncrementalDetokenizer(self.tokenizer.decode, ids) if self.tokenizer else None
+        request = Request(
+            request_id,
+            ids,
+            params,
+            arrival,
+            adapter=adapter,
+            output=OutputState(prompt=text, detokenizer=detokenizer),
+            sampling=SamplingState(generator=generator),
+        )
         self._requests[request_id] = request
         self.scheduler.add(request)
+        # Read ahead now, not when a step first wants it: the read overlaps the steps before it joins.
+        if adapter is not None and len(self.scheduler.waiting) <= self.config.adapter_prefetch_depth:
+            self.loader.prefetch([adapter])
         return request_id
+
+    def _check_adapter(self, name: str) -> None:
+        """Raise unless new requests may name adapter `name`: the one check of it."""
+        if name not in self.registry:
+            raise UnknownAdapterError(f"adapter {name!r} is not registered")
+        if name in self.registry.failed:
+            raise RefusedAdapterError(f"adapter {name!r} cannot be served: {self.registry.failed[name]}")
 
     def _check_prompt(self, ids: list[int], params: SamplingParams, adapter: str | None = None) -> None:
         if not ids:
@@ -220,7 +269,7 @@ class LLMEngine:
         longest = min(len(ids) + params.max_tokens, self.max_model_len)
         usable = self.pool.num_pages - 1  # less the zero page
         # Alone in the pool, the request must fit with its adapter, or it could never finish.
-        adapter_pages = self.adapters.pages_of(adapter) if adapter is not None else 0
+        adapter_pages = self.registry.pages_of(adapter) if adapter is not None else 0
         kv_pages = self.scheduler.pages_for(longest)
         if kv_pages + adapter_pages > usable:
             with_adapter = f" and its adapter {adapter_pages} more" if adapter_pages else ""
@@ -231,6 +280,7 @@ class LLMEngine:
             )
 
     def abort(self, request_id: str) -> None:
+        """End a request (safe for finished or unknown ids); its pages go back at once."""
         request = self._requests.pop(request_id, None)
         if request is not None and not request.finished:
             self.scheduler.finish(request, "abort")
@@ -238,35 +288,102 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def request_ids(self, status: RequestStatus) -> list[str]:
+        """The requests with this status: running ones in admission order, waiting ones in queue
+        order (finished ones are not kept)."""
+        if status is RequestStatus.FINISHED:
+            return []
+        queue = self.scheduler.running if status is RequestStatus.RUNNING else self.scheduler.waiting
+        return [r.request_id for r in queue]
+
+    @property
+    def base_shape(self) -> BaseShape:
+        """The base model's shapes, which an adapter must fit."""
+        return self.loader.base
+
+    def stats(self) -> EngineStats:
+        registry, host = self.registry, self.loader.host
+        return EngineStats(
+            num_pages=self.pool.num_pages,
+            pages=self.pool.pages_by_kind(),
+            waiting=len(self.scheduler.waiting),
+            running=len(self.scheduler.running),
+            adapters_registered=registry.num_registered(),
+            adapters_resident=len(registry.resident_names()),
+            adapters_failed=len(registry.failed),
+            adapters_draining=registry.num_draining(),
+            adapter_loads=self.loader.loads,
+            adapter_evictions=registry.evictions,
+            adapter_load_seconds=self.loader.load_seconds,
+            host_cache_bytes=host.bytes_used,
+            host_cache_hits=host.stats.hits,
+            host_cache_waits=host.stats.waits,
+            host_cache_misses=host.stats.misses,
+        )
+
     # -- the loop ---------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one batch: schedule, run the model, append sampled tokens. Returns touched requests."""
-        scheduled = self.scheduler.schedule()
-        outputs = self._fail_broken_adapters()  # admission is where an adapter's load fails
-        self.adapters.prefetch(self._next_adapters())
-        if not scheduled.chunks:
+        """Run one step: schedule → load adapters → build the batch and run it → sample → postprocess.
+        Returns the outputs of the requests it touched."""
+        plan = self.scheduler.schedule()
+        outputs = self._refused(plan)
+        outputs += self._load_adapters(plan)
+        self.loader.prefetch(self._next_adapters())
+        if not plan.chunks:
             if self.scheduler.waiting and not self.scheduler.running and not outputs:
                 raise RuntimeError("the scheduler could not admit any request into an empty pool")
             return outputs
-        chunks = self.runner.order(scheduled.chunks)
+        plan.chunks = self.runner.order(plan.chunks)
         try:
-            logits = self._forward(chunks)
+            logits = self._forward(plan.chunks)
         except Exception as error:
-            chunks, survived = self._isolate_fault(chunks, error, outputs)
+            plan.chunks, survived = self._isolate_fault(plan.chunks, error, outputs)
             if survived is None:
                 return outputs
             logits = survived
-        sampled = [c.request for c in chunks if c.samples]
-        tokens = sample(logits, sampled)
-        token_logprobs(logits, sampled, tokens)
-        for chunk in chunks:
-            chunk.request.num_computed_tokens = chunk.end
-        for row, (request, token) in enumerate(zip(sampled, tokens, strict=True)):
-            if request.keep_logits:
-                request.last_logits = logits[row].cpu()
-            outputs.append(self._append_token(request, token))
+        sampling = plan.sampling
+        tokens = sample(logits, sampling)
+        token_logprobs(logits, sampling, tokens)
+        for row, request in enumerate(sampling):
+            if request.sampling.keep_logits:
+                request.sampling.last_logits = logits[row].cpu()
+        for request in self.scheduler.postprocess(plan, tokens):
+            if request.finished:
+                self._requests.pop(request.request_id, None)
+            outputs.append(self._output(request, new_text=next_delta(request)))
         return outputs
+
+    def _refused(self, plan: StepPlan) -> list[RequestOutput]:
+        """Outputs of the requests the scheduler refused because their adapter is."""
+        for request in plan.refused:
+            assert request.adapter is not None
+            why = self.registry.failed.get(request.adapter, "it is refused")
+            request.output.error = f"adapter {request.adapter!r} could not be loaded: {why}"
+            self._requests.pop(request.request_id, None)
+        return [self._output(r, code=ADAPTER_FAILED) for r in plan.refused]
+
+    def _load_adapters(self, plan: StepPlan) -> list[RequestOutput]:
+        """Copy the plan's adapters into their pages. An adapter that cannot be loaded ends its own
+        requests (adapter_failed, or adapter_unavailable: whoever asks for it next tries again) and
+        leaves the plan; nothing else changes."""
+        failures = self.loader.load(plan.adapter_loads)
+        outputs = []
+        for failure in failures:
+            outputs.extend(self._end_requests_of(failure))
+        if failures:
+            plan.chunks = [c for c in plan.chunks if not c.request.finished]
+        return outputs
+
+    def _end_requests_of(self, failure: LoadFailure) -> list[RequestOutput]:
+        code = ADAPTER_FAILED if failure.at_fault else ADAPTER_UNAVAILABLE
+        queued = (*self.scheduler.running, *self.scheduler.waiting)
+        victims = [r for r in queued if r.adapter == failure.name]
+        for request in victims:
+            request.output.error = f"adapter {failure.name!r} could not be loaded: {failure.reason}"
+            self.scheduler.finish(request, "error")
+            self._requests.pop(request.request_id, None)
+        return [self._output(r, code=code) for r in victims]
 
     def _forward(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
         """Logits [S, vocab] of the chunks' sampled rows; NonFiniteLogits if any row is not finite."""
@@ -323,7 +440,7 @@ class LLMEngine:
             # Its cache pages may hold NaN now; a page reused by another request is read beyond that
             # request's own tokens too (masked, but NaN times zero is NaN), so they go back zeroed.
             self.cache.memory[request.pages] = 0  # page-major
-            request.error = message
+            request.output.error = message
             self.scheduler.finish(request, "error")
             self._requests.pop(request.request_id, None)
         return [self._output(r, code=code) for r in requests]
@@ -367,7 +484,7 @@ class LLMEngine:
         queued = (*self.scheduler.running, *self.scheduler.waiting)
         victims = [r for r in queued if r.adapter == name and not r.finished]
         outputs = self._end_with_error(victims, message, ADAPTER_FAILED)
-        self.adapters.mark_failed(name, message)
+        self.registry.mark_failed(name, message)
         log.warning("%s; ended %d request(s) that used it", message, len(victims))
         return outputs
 
@@ -379,88 +496,21 @@ class LLMEngine:
                 wanted[request.adapter] = None
         return list(wanted)
 
-    def _fail_broken_adapters(self) -> list[RequestOutput]:
-        """Finish waiting requests whose adapter could not be loaded, with the reason: refused
-        (adapter_failed), or its store unreachable (adapter_unavailable; the next request retries)."""
-        failed, unavailable = self.adapters.failed, self.adapters.unavailable
-        if not failed and not unavailable:
-            return []
-        outputs = []
-        for request in [r for r in self.scheduler.waiting if r.adapter in failed or r.adapter in unavailable]:
-            assert request.adapter is not None
-            if request.adapter in failed:
-                code, why = ADAPTER_FAILED, failed[request.adapter]
-            else:
-                code, why = ADAPTER_UNAVAILABLE, unavailable[request.adapter]
-            request.error = f"adapter {request.adapter!r} could not be loaded: {why}"
-            self.scheduler.finish(request, "error")
-            self._requests.pop(request.request_id, None)
-            outputs.append(self._output(request, code=code))
-        # Those who waited through the outage were told; whoever asks next tries the store again.
-        unavailable.clear()
-        return outputs
-
-    def _append_token(self, request: Request, token: int) -> RequestOutput:
-        params = request.params
-        request.output_token_ids.append(token)
-        checked = len(request.text)
-        if request.detokenizer is not None and token not in self.eos_token_ids:
-            request.detokenizer.add(token)
-        reason: str | None = None
-        if token in self.eos_token_ids and not params.ignore_eos:
-            reason = "stop"
-        elif token in params.stop_token_ids:
-            reason, request.stop_reason = "stop", token
-        elif params.stop and request.detokenizer is not None and self._hit_stop_string(request, checked):
-            reason = "stop"
-        elif len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.max_model_len:
-            reason = "length"
-        if reason is not None:
-            self.scheduler.finish(request, reason)
-            self._requests.pop(request.request_id, None)
-        return self._output(request, new_text=self._next_delta(request))
-
-    def _next_delta(self, request: Request) -> str:
-        """New text for a stream. While a stop string could still be completing, its possible start is
-        held back, so a stream never shows text that the stop string later cuts."""
-        text = request.text
-        visible = len(text)
-        if not request.finished and request.params.stop:
-            holdback = max(len(s) for s in request.params.stop) - 1
-            visible = max(request.emitted_chars, visible - holdback)
-        delta = text[request.emitted_chars : visible]
-        request.emitted_chars = visible
-        return delta
-
-    def _hit_stop_string(self, request: Request, checked_before: int) -> bool:
-        assert request.detokenizer is not None
-        text = request.detokenizer.text
-        longest = max(len(s) for s in request.params.stop)
-        start = max(0, checked_before - longest + 1)
-        hits = [(text.find(s, start), s) for s in request.params.stop]
-        hits = [(i, s) for i, s in hits if i >= 0]
-        if not hits:
-            return False
-        index, stop = min(hits)
-        end = index + len(stop) if request.params.include_stop_str_in_output else index
-        request.detokenizer.text = text[:end]
-        request.stop_reason = stop
-        return True
-
     def _output(self, request: Request, new_text: str = "", code: str | None = None) -> RequestOutput:
         output_type = RequestOutput if code is None else FailedOutput
+        state = request.output
         output = output_type(
             request_id=request.request_id,
-            prompt=request.prompt,
+            prompt=state.prompt,
             prompt_token_ids=request.prompt_token_ids,
             token_ids=list(request.output_token_ids),
-            text=request.text,
+            text=state.text,
             finished=request.finished,
             finish_reason=request.finish_reason,
             new_text=new_text,
-            stop_reason=request.stop_reason,
-            logprobs=list(request.logprobs) if request.params.logprobs is not None else None,
-            error=request.error,
+            stop_reason=state.stop_reason,
+            logprobs=list(state.logprobs) if request.params.logprobs is not None else None,
+            error=state.error,
         )
         if isinstance(output, FailedOutput) and code is not None:
             output.error_code = code
@@ -514,9 +564,9 @@ class LLMEngine:
         ids = [self.add_request(p, SamplingParams(max_tokens=1, temperature=0.0)) for p in prompts]
         requests = [self._requests[i] for i in ids]
         for request in requests:
-            request.keep_logits = True
-        while any(r.status is not RequestStatus.FINISHED for r in requests):
+            request.sampling.keep_logits = True
+        while any(not r.finished for r in requests):
             self.step()
-        logits = [r.last_logits for r in requests]
+        logits = [r.sampling.last_logits for r in requests]
         assert all(x is not None for x in logits)
         return logits  # type: ignore[return-value]

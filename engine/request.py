@@ -1,4 +1,10 @@
-"""A request's state as it moves through the engine: waiting → running → finished (or back, if preempted)."""
+"""A request's state as it moves through the engine: waiting → running → finished (or back, if preempted).
+
+A `Request` is what the scheduler reasons about (tokens, pages, status, its adapter reference). What the
+caller is shown (text, streamed deltas, logprobs, why it stopped) lives in its `OutputState`; how its
+next token is drawn (its RNG, and the logits a caller asked to keep) in its `SamplingState`. The
+scheduler never touches the latter, and none of it imports torch at run time.
+"""
 
 from __future__ import annotations
 
@@ -30,28 +36,47 @@ class RequestStatus(enum.Enum):
 
 
 @dataclass
+class OutputState:
+    """What the caller sees of a request: its text so far, how much of it was streamed, and why it ended."""
+
+    prompt: str | None = None  # the prompt as text, when it was given as text
+    detokenizer: IncrementalDetokenizer | None = None  # None: a model without a tokenizer (ids only)
+    emitted_chars: int = 0  # text already handed out as deltas
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token, when asked for
+    error: str | None = None  # why the request finished with reason "error"
+
+    @property
+    def text(self) -> str:
+        return self.detokenizer.text if self.detokenizer else ""
+
+
+@dataclass
+class SamplingState:
+    """How the request's tokens are drawn: its own RNG (None when greedy), and, for next_token_logits,
+    the last step's logits row kept for the caller."""
+
+    generator: torch.Generator | None = None
+    keep_logits: bool = False
+    last_logits: torch.Tensor | None = None
+
+
+@dataclass
 class Request:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival: int  # admission order; earlier requests keep their pages when the pool runs out
-    prompt: str | None = None
     adapter: str | None = None  # a registered adapter's name; None is the base model
-    holds_adapter: bool = False  # the request holds a reference that keeps its adapter resident
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose keys and values are in the cache
     pages: list[int] = field(default_factory=list)
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    holds_adapter: bool = False  # admitted: holds a reference that keeps its adapter resident
     num_preemptions: int = 0
-    detokenizer: IncrementalDetokenizer | None = None
-    generator: torch.Generator | None = None
-    stop_reason: str | int | None = None
-    emitted_chars: int = 0  # text already handed out as deltas
-    keep_logits: bool = False
-    last_logits: torch.Tensor | None = None
-    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token, when asked for
-    error: str | None = None  # why the request finished with reason "error"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    output: OutputState = field(default_factory=OutputState)
+    sampling: SamplingState = field(default_factory=SamplingState)
 
     @property
     def num_tokens(self) -> int:
@@ -69,10 +94,6 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
-
-    @property
-    def text(self) -> str:
-        return self.detokenizer.text if self.detokenizer else ""
 
 
 @dataclass

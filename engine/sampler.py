@@ -19,7 +19,7 @@ def sample(logits: torch.Tensor, requests: Sequence[Request]) -> list[int]:
             tokens.append(int(greedy[row]))
             continue
         probs = _filtered_probs(logits[row].float().cpu(), params.temperature, params.top_k, params.top_p)
-        tokens.append(int(torch.multinomial(probs, 1, generator=request.generator).item()))
+        tokens.append(int(torch.multinomial(probs, 1, generator=request.sampling.generator).item()))
     return tokens
 
 
@@ -53,4 +53,4 @@ def token_logprobs(logits: torch.Tensor, requests: Sequence[Request], tokens: Se
     for j, i in enumerate(rows):
         k = requests[i].params.logprobs or 0
         top = list(zip(top_i[j][:k], top_v[j][:k], strict=True))
-        requests[i].logprobs.append(TokenLogprob(int(tokens[i]), float(chosen_list[j]), top))
+        requests[i].output.logprobs.append(TokenLogprob(int(tokens[i]), float(chosen_list[j]), top))

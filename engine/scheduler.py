@@ -1,4 +1,4 @@
-"""Continuous batching: which tokens of which requests run in the next step.
+"""Continuous batching: which tokens of which requests run in the next step, and what the step changed.
 
 Every step, requests join and leave the running batch. A request is a list of tokens of which the first
 `num_computed_tokens` have keys and values in the cache; a step computes the next chunk of each
@@ -9,17 +9,22 @@ pages are freed and it goes back to the front of the queue, to be recomputed fro
 A request with an adapter joins only when the pool can hold both: its adapter's pages (unless resident)
 and the pages of its first chunk; otherwise it waits, and no adapter is loaded for it in vain.
 
-Plain bookkeeping: no torch, tested on the CPU in milliseconds.
+A step is a plan (`schedule` → StepPlan: the chunks to run, who was preempted, the adapters the loader
+must copy into pages already handed out, the requests refused), then `postprocess(plan, sampled)`:
+advance, append, finish. Plain bookkeeping: no torch and no file access (tests/engine/test_torch_free.py
+proves both), tested on the CPU in milliseconds.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
+from .lora.registry import AdapterLoad, AdapterRegistry
 from .pool import PageKind, PagePool
 from .request import Request, RequestStatus
+from .stopping import StopChecker
 
 
 @dataclass(frozen=True)
@@ -27,39 +32,34 @@ class ScheduledChunk:
     request: Request
     start: int  # index of the chunk's first token in the request's token list
     num_tokens: int
+    # The chunk reaches the end of the request's tokens, so the step samples its next token. Fixed when
+    # scheduled: postprocess appends that token, after which the end is no longer the end.
+    samples: bool
 
     @property
     def end(self) -> int:
         return self.start + self.num_tokens
 
-    @property
-    def samples(self) -> bool:
-        """The chunk reaches the end of the request's tokens, so the step samples its next token."""
-        return self.end == self.request.num_tokens
-
 
 @dataclass
-class SchedulerOutput:
+class StepPlan:
+    """One step, decided: run `chunks` (in this order once the runner ordered them), after copying
+    `adapter_loads` into their pages. `preempted` went back to the queue; `refused` were ended because
+    their adapter is refused (their finish_reason is "error")."""
+
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    adapter_loads: list[AdapterLoad] = field(default_factory=list)
+    refused: list[Request] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
         return sum(chunk.num_tokens for chunk in self.chunks)
 
-
-class AdapterHolder(Protocol):
-    """What the scheduler needs of adapter residency (engine/lora/residency.py)."""
-
-    def pages_needed(self, name: str) -> int: ...
-
-    def acquire(self, name: str) -> bool: ...
-
-    def release(self, name: str) -> None: ...
-
-    def evict_unused(self, pages_wanted: int) -> int: ...
-
-    def evictable_pages(self) -> int: ...
+    @property
+    def sampling(self) -> list[Request]:
+        """The requests whose next token this step samples, in chunk order (one logits row each)."""
+        return [chunk.request for chunk in self.chunks if chunk.samples]
 
 
 class Scheduler:
@@ -69,8 +69,9 @@ class Scheduler:
         page_size: int,
         max_num_seqs: int,
         max_batch_tokens: int,
-        adapters: AdapterHolder | None = None,
+        adapters: AdapterRegistry | None = None,
         max_adapter_loads_per_step: int = 4,
+        stop: StopChecker | None = None,
     ):
         if page_size <= 0 or max_num_seqs <= 0 or max_batch_tokens <= 0:
             raise ValueError("page_size, max_num_seqs and max_batch_tokens must be positive")
@@ -82,6 +83,8 @@ class Scheduler:
         # Loading an adapter costs pages and a copy: when many new adapters wait, only a few join per
         # step, so one step's loads cannot crowd out the KV cache of the running batch.
         self.max_adapter_loads_per_step = max_adapter_loads_per_step
+        # No end-of-sequence token and no context limit unless the engine says so: max_tokens ends it.
+        self.stop = stop or StopChecker(eos_token_ids=(), max_model_len=2**62)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the front has priority
 
@@ -89,21 +92,29 @@ class Scheduler:
         return -(-num_tokens // self.page_size)
 
     def add(self, request: Request) -> None:
+        """Queue a request; one naming an adapter counts as its user until it ends."""
+        if request.adapter is not None:
+            assert self.adapters is not None, "a request names an adapter but the engine serves none"
+            self.adapters.add_user(request.adapter)
         request.status = RequestStatus.WAITING
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
+    def _chunk(self, request: Request, count: int) -> ScheduledChunk:
+        start = request.num_computed_tokens
+        return ScheduledChunk(request, start, count, samples=start + count == request.num_tokens)
+
+    def schedule(self) -> StepPlan:
+        out = StepPlan()
         budget = self.max_batch_tokens
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             count = min(request.num_tokens - request.num_computed_tokens, budget)
             if self._reserve(request, request.num_computed_tokens + count):
-                out.chunks.append(ScheduledChunk(request, request.num_computed_tokens, count))
+                out.chunks.append(self._chunk(request, count))
                 budget -= count
                 index += 1
                 continue
@@ -116,6 +127,10 @@ class Scheduler:
             count = min(request.num_tokens - request.num_computed_tokens, budget)
             if request.adapter is not None and not request.holds_adapter:
                 assert self.adapters is not None, "a request names an adapter but the engine serves none"
+                if request.adapter in self.adapters.failed:
+                    self.finish(request, "error")  # refused while it waited: it will never run
+                    out.refused.append(request)
+                    continue
                 adapter_pages = self.adapters.pages_needed(request.adapter)
                 loading = adapter_pages > 0
                 if loading and loads >= self.max_adapter_loads_per_step:
@@ -134,9 +149,26 @@ class Scheduler:
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            out.chunks.append(ScheduledChunk(request, request.num_computed_tokens, count))
+            out.chunks.append(self._chunk(request, count))
             budget -= count
+        if self.adapters is not None:
+            out.adapter_loads = self.adapters.pending_loads()
         return out
+
+    def postprocess(self, plan: StepPlan, sampled: Sequence[int]) -> list[Request]:
+        """After the step ran `plan.chunks`: their tokens are in the cache; `sampled` holds the next
+        token of each of `plan.sampling`, in order. Appends them and finishes the requests that stop.
+        Returns the requests that sampled (finished ones included)."""
+        requests = plan.sampling
+        if len(requests) != len(sampled):
+            raise ValueError(f"the step sampled {len(sampled)} tokens for {len(requests)} requests")
+        for chunk in plan.chunks:
+            chunk.request.num_computed_tokens = chunk.end
+        for request, token in zip(requests, sampled, strict=True):
+            reason = self.stop.append(request, token)
+            if reason is not None:
+                self.finish(request, reason)
+        return requests
 
     def _reserve(self, request: Request, num_tokens: int) -> bool:
         """Make sure the request owns pages for `num_tokens` tokens; False if the pool cannot."""
@@ -160,11 +192,15 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def finish(self, request: Request, reason: str) -> None:
+        if request.finished:
+            return
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
         self._release(request)
+        if request.adapter is not None and self.adapters is not None:
+            self.adapters.remove_user(request.adapter)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
 

@@ -189,7 +189,8 @@ def adapter_from_headers(headers: Mapping[str, str]) -> AdapterRef | None:
 # -- the engine's internal adapter endpoints ----------------------------------------------------------------
 # GET ADAPTERS_PATH lists {"object": "list", "data": [AdapterEntry...]}; POST ADAPTERS_PATH with an
 # AdapterRegistration registers (201 {"name", "sha256", "registered": true}); DELETE adapter_path(name)
-# unregisters (200 {"name", "deleted": true}; 404 adapter_not_found; 409 adapter_in_use). All need the
+# unregisters (200 {"name", "deleted": true, "draining": bool}: new requests for it are refused at once, and
+# while requests still use it it drains, forgotten when the last ends; 404 adapter_not_found). All need the
 # internal token.
 
 ADAPTERS_PATH = "/internal/adapters"

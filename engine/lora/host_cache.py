@@ -1,11 +1,11 @@
 """Adapters packed and ready in host memory: an LRU cache with a byte budget, filled in the background.
 
 Reading an adapter from storage and packing it for the pool takes milliseconds to seconds; copying a
-packed adapter into the pool takes microseconds. So the engine asks the cache to prefetch the adapters
-of requests next in the queue, a worker thread loads them while the model runs, and by the time a
-request is admitted its adapter is usually one copy away. The least recently used packed adapters are
-dropped when the budget is exceeded (a dropped adapter is simply read again when next wanted); the
-one being handed out is never dropped under the caller's feet.
+packed adapter into the pool takes microseconds. So the engine asks the cache to prefetch the adapter
+of a request as soon as it is queued (and those next in the queue every step), a worker thread loads
+them while the model runs, and by the time a request is admitted its adapter is usually one copy away.
+The least recently used packed adapters are dropped when the budget is exceeded (a dropped adapter is
+simply read again when next wanted); the one being handed out is never dropped under the caller's feet.
 """
 
 from __future__ import annotations
@@ -71,11 +71,16 @@ class HostCache:
         with self._lock:
             if name in self._packed or name in self._pending:
                 return
-            self._pending[name] = self._workers.submit(self._pack, name, packer)
+            # Its own future, filled by the worker: a pack that finishes after `discard` sees it is no
+            # longer the pending one and keeps nothing.
+            future: Future[PackedAdapter] = Future()
+            self._pending[name] = future
+            self._workers.submit(self._fill, name, packer, future)
 
     def get(self, name: str, packer: Packer) -> PackedAdapter:
         """The packed adapter, waiting for a prefetch in flight or packing it now; raises what packing
-        raised (an AdapterError when the weights cannot be read)."""
+        raised (an AdapterError when the weights cannot be read). A prefetch that failed is reported
+        here, once: the get after it reads again."""
         with self._lock:
             hit = self._packed.get(name)
             if hit is not None:
@@ -87,36 +92,69 @@ class HostCache:
                 self.stats.waits += 1
             else:
                 self.stats.misses += 1
-        if pending is not None:
+        if pending is None:
+            return self._pack(name, packer)
+        try:
             return pending.result()
-        return self._pack(name, packer)
+        except BaseException:
+            with self._lock:
+                if self._pending.get(name) is pending:
+                    del self._pending[name]
+            raise
 
     def discard(self, name: str) -> None:
+        """Forget `name`: its packed copy, and whatever a prefetch in flight would have kept."""
         with self._lock:
             self._packed.pop(name, None)
+            self._pending.pop(name, None)
 
     def close(self) -> None:
         self._workers.shutdown(wait=True, cancel_futures=True)
+        with self._lock:
+            never_run = [f for f in self._pending.values() if not f.done()]
+            self._pending.clear()
+        for future in never_run:  # cancelled before their turn: whoever waits on them must not hang
+            future.set_exception(RuntimeError("the adapter host cache was closed"))
+
+    def _fill(self, name: str, packer: Packer, future: Future[PackedAdapter]) -> None:
+        """Pack in the worker. A failure stays pending for the next get to report."""
+        began = time.perf_counter()
+        try:
+            packed = packer()
+        except BaseException as error:
+            with self._lock:
+                self.stats.failures += 1
+            log.warning("could not prefetch adapter %s", name, exc_info=True)
+            future.set_exception(error)
+            return
+        with self._lock:
+            self.stats.loads += 1
+            self.stats.load_seconds += time.perf_counter() - began
+            if self._pending.get(name) is future:
+                del self._pending[name]
+                self._keep(name, packed)
+        future.set_result(packed)
 
     def _pack(self, name: str, packer: Packer) -> PackedAdapter:
+        """Pack on the spot (the caller's thread)."""
         began = time.perf_counter()
         try:
             packed = packer()
         except BaseException:
             with self._lock:
                 self.stats.failures += 1
-                self._pending.pop(name, None)  # the next get tries again, and raises what it finds
             log.warning("could not load adapter %s", name, exc_info=True)
             raise
-        size = packed_bytes(packed)
         with self._lock:
             self.stats.loads += 1
             self.stats.load_seconds += time.perf_counter() - began
-            self._pending.pop(name, None)
-            self._packed[name] = (packed, size)
-            self._packed.move_to_end(name)
-            self._shrink(keep=name)
+            self._keep(name, packed)
         return packed
+
+    def _keep(self, name: str, packed: PackedAdapter) -> None:
+        self._packed[name] = (packed, packed_bytes(packed))
+        self._packed.move_to_end(name)
+        self._shrink(keep=name)
 
     def _shrink(self, keep: str) -> None:
         """Drop least recently used packs until within budget; `keep` (just packed) always stays."""

@@ -272,7 +272,7 @@ class ServerState:
             return None
         # A tenant's adapter is reached only through the adapter headers the gateway sets, never by its
         # engine name in `model` (a body field a tenant writes), so no tenant can name another's.
-        if model in engine.adapters and not wire.is_gateway_adapter(model):
+        if not wire.is_gateway_adapter(model) and await engine.adapter(model) is not None:
             return model
         if caller.trusted:
             return None  # the gateway resolved `model` to this deployment's base model
@@ -283,11 +283,11 @@ class ServerState:
     async def ensure_adapter(self, engine: AsyncEngine, name: str, uri: str, sha256: str | None) -> None:
         """Register `name` unless it is already there with these weights; one registration at a time
         per name, shared by the requests that arrive meanwhile (and not cancelled if one leaves)."""
-        known = engine.adapters.get(name)
-        fresh = known is not None and (sha256 is None or known == sha256.lower())
-        if fresh and name in engine.failed_adapters:
+        known = await engine.adapter(name)
+        fresh = known is not None and (sha256 is None or known.sha256 == sha256.lower())
+        if fresh and known is not None and known.failed is not None:
             # The same weights failed here before: refused with the reason until other weights come.
-            raise adapter_failed(f"adapter {name!r}: {engine.failed_adapters[name]}")
+            raise adapter_failed(f"adapter {name!r}: {known.failed}")
         if fresh:
             return
         pending = self._registering.get(name)
@@ -332,7 +332,7 @@ class ServerState:
 
     # -- running requests ---------------------------------------------------------------------------------
 
-    def params(
+    async def params(
         self,
         body: protocol._GenerationRequest,
         prompt_len: int,
@@ -360,7 +360,8 @@ class ServerState:
                 wire.CONTEXT_LENGTH_EXCEEDED,
             )
         if limit is None:  # as much as the context (and the pool, less the adapter's pages) leaves
-            pool_tokens = engine.pool_tokens - engine.adapter_pages.get(adapter or "", 0) * engine.page_size
+            known = await engine.adapter(adapter) if adapter is not None else None
+            pool_tokens = engine.pool_tokens - (known.pages if known else 0) * engine.page_size
             limit = max(1, min(context, pool_tokens, limits.MAX_COMPLETION_TOKENS) - prompt_len)
         try:
             return SamplingParams(
@@ -498,7 +499,7 @@ def _add_probe_routes(app: FastAPI, state: ServerState) -> None:
                 "parent": parent,
             }
 
-        adapters = sorted(n for n in engine.adapters if not wire.is_gateway_adapter(n))
+        adapters = [a.name for a in await engine.adapters() if not wire.is_gateway_adapter(a.name)]
         return {"object": "list", "data": [entry(base, None), *(entry(n, base) for n in adapters)]}
 
 
@@ -517,7 +518,7 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
             ids = await asyncio.to_thread(tokenizer.encode, prompt)
         else:
             ids = prompt
-        params = state.params(body, len(ids), body.max_tokens, body.logprobs, adapter)
+        params = await state.params(body, len(ids), body.max_tokens, body.logprobs, adapter)
         job = Job(False, body.model, adapter, ids, params, body.stream, body.include_usage, caller.tenant)
         return await _run(state, job, request)
 
@@ -536,7 +537,7 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
             raise
         except Exception as exc:  # the template refused the conversation, or the tokenizer did
             raise bad_request(f"messages: {exc}", "messages") from exc
-        params = state.params(body, len(ids), body.token_limit, body.logprobs_wanted, adapter)
+        params = await state.params(body, len(ids), body.token_limit, body.logprobs_wanted, adapter)
         job = Job(True, body.model, adapter, ids, params, body.stream, body.include_usage, caller.tenant)
         return await _run(state, job, request)
 
@@ -581,19 +582,11 @@ def _add_adapter_routes(app: FastAPI, state: ServerState) -> None:
         state.require_internal(request)
         engine = state.serving()
 
-        def describe(llm: LLMEngine) -> list[dict[str, Any]]:
-            residency = llm.adapters
-            return [
-                {
-                    "name": name,
-                    "sha256": entry.manifest.sha256,
-                    "resident": name in residency.resident,
-                    "failed": residency.failed.get(name),
-                }
-                for name, entry in sorted(residency.registered.items())
-            ]
-
-        return {"object": "list", "data": await engine.call(describe)}
+        data = [
+            {"name": a.name, "sha256": a.sha256, "resident": a.resident, "failed": a.failed}
+            for a in await engine.adapters()
+        ]
+        return {"object": "list", "data": data}
 
     @app.post(wire.ADAPTERS_PATH, status_code=201)
     async def register_adapter(body: protocol.AdapterRegistration, request: Request) -> dict[str, Any]:
@@ -609,15 +602,15 @@ def _add_adapter_routes(app: FastAPI, state: ServerState) -> None:
         state.require_internal(request)
         engine = state.serving()
         try:
-            await engine.unregister_adapter(name)
+            forgotten = await engine.unregister_adapter(name)
         except UnknownAdapter as exc:
             raise OpenAIError(
                 404, f"adapter {name!r} is not registered", wire.INVALID_REQUEST, wire.ADAPTER_NOT_FOUND
             ) from exc
-        except AdapterError as exc:  # in use by running requests
-            raise OpenAIError(409, str(exc), wire.INVALID_REQUEST, wire.ADAPTER_IN_USE) from exc
-        log.info("unregistered adapter %s", name)
-        return {"name": name, "deleted": True}
+        # New requests for it are refused from now on; while some still use it, it drains and is
+        # forgotten (pages and host copy freed) when the last one ends.
+        log.info("unregistered adapter %s%s", name, "" if forgotten else " (draining)")
+        return {"name": name, "deleted": True, "draining": not forgotten}
 
 
 def sampling_temperature(requested: float | None) -> float:

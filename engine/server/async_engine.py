@@ -11,6 +11,10 @@ a step that still raises is a failure no adapter explains: it fails the requests
 callers get a StepFailed, their pages are freed) and the loop carries on; several such failures in a
 row make it not ready (until a step succeeds), and an error in the loop's own bookkeeping stops it for
 good (`dead`), so /ready and /health tell the truth. Adapter faults never count against readiness.
+
+This class keeps no copy of the engine's adapter state: what the HTTP side wants to know about adapters
+it asks the engine through the command queue (`adapter`, `adapters`), and the figures for metrics come
+from one `engine.stats()` snapshot per publish.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ if TYPE_CHECKING:
     from loraplex.engine.engine import LLMEngine
     from loraplex.engine.request import RequestOutput
     from loraplex.engine.sampling_params import SamplingParams
+    from loraplex.engine.stats import AdapterInfo
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -137,15 +142,13 @@ class AsyncEngine:
         self.metrics = metrics or ServerMetrics()
         self.max_queue = max_queue
         self.publish_interval_s = publish_interval_s
-        self.base_shape = engine.adapters.base
+        # What never changes after the engine is made (read here, before the loop thread starts).
+        self.base_shape = engine.base_shape
         self.max_model_len = engine.max_model_len
         self.tokenizer = engine.tokenizer
         self.page_size = engine.config.page_size
-        self.pool_tokens = (engine.pool.num_pages - 1) * self.page_size  # less the zero page
-        # Read by the event loop, written by the loop thread: plain values swapped whole.
-        self.adapters: dict[str, str] = {}  # registered name -> weights sha256
-        self.adapter_pages: dict[str, int] = {}  # registered name -> pool pages when resident
-        self.failed_adapters: dict[str, str] = {}  # name -> why it cannot be loaded
+        self.pool_tokens = (engine.stats().num_pages - 1) * self.page_size  # less the zero page
+        # Read by the event loop, written by the loop thread from engine.stats(): plain ints.
         self.waiting = 0
         self.running = 0
         self.dead: str | None = None
@@ -170,7 +173,6 @@ class AsyncEngine:
     def start(self) -> None:
         """Start the loop thread; call from the asyncio loop that will read the outputs."""
         self._loop = asyncio.get_running_loop()
-        self._refresh_adapters()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -249,8 +251,6 @@ class AsyncEngine:
                 outcome = fn(self.engine)
             except Exception as exc:
                 outcome = exc
-            # Before the caller resumes, so what it reads next already shows what `fn` changed.
-            self._refresh_adapters()
             self._resolve(done, outcome)
 
         self._post(run, done)
@@ -277,13 +277,25 @@ class AsyncEngine:
             raise
         return await self.call(lambda engine: engine.register_adapter(name, source))
 
-    async def unregister_adapter(self, name: str) -> None:
-        def unregister(engine: LLMEngine) -> None:
-            if name not in engine.adapters.registered:
-                raise UnknownAdapter(name)
-            engine.unregister_adapter(name)
+    async def unregister_adapter(self, name: str) -> bool:
+        """New requests can no longer name it; True if it is forgotten now, False if it drains (the
+        requests using it finish, then its pages and host copy are freed). UnknownAdapter if it is not
+        registered."""
 
-        await self.call(unregister)
+        def unregister(engine: LLMEngine) -> bool:
+            if engine.adapter(name) is None:
+                raise UnknownAdapter(name)
+            return engine.unregister_adapter(name)
+
+        return await self.call(unregister)
+
+    async def adapter(self, name: str) -> AdapterInfo | None:
+        """The registered adapter `name`, as the engine sees it now (None: not registered)."""
+        return await self.call(lambda engine: engine.adapter(name))
+
+    async def adapters(self) -> list[AdapterInfo]:
+        """Every registered adapter, by name."""
+        return await self.call(lambda engine: engine.adapters())
 
     # -- plumbing between the threads -------------------------------------------------------------
 
@@ -368,19 +380,23 @@ class AsyncEngine:
     ) -> None:
         with self._pending_lock:
             self._pending_adds -= 1
-        engine = self.engine
+        from loraplex.engine.engine import RefusedAdapterError, UnknownAdapterError
+
+        outcome: Exception | None = None
         try:
-            if adapter is not None and adapter not in engine.adapters.registered:
-                raise UnknownAdapter(adapter)
-            if adapter is not None and adapter in engine.adapters.failed:
-                raise AdapterFailed(f"adapter cannot be served: {engine.adapters.failed[adapter]}")
-            engine.add_request(ids, params, request_id=stream.request_id, adapter=adapter)
+            self.engine.add_request(ids, params, request_id=stream.request_id, adapter=adapter)
+        except UnknownAdapterError:
+            outcome = UnknownAdapter(adapter)
+        except RefusedAdapterError as exc:
+            outcome = AdapterFailed(str(exc))
         except Exception as exc:
-            self._resolve(accepted, exc)
+            outcome = exc
+        if outcome is not None:
+            self._resolve(accepted, outcome)
             return
         self._tracked[stream.request_id] = _Tracked(stream, tenant, arrival)
         self.metrics.count_prompt(tenant, len(ids))
-        self.waiting = len(engine.scheduler.waiting)
+        self.waiting += 1  # until the next publish counts the queue again
         self._resolve(accepted, None)
 
     def _abort(self, request_id: str) -> None:
@@ -442,8 +458,10 @@ class AsyncEngine:
         log.exception("an engine step failed; failing the requests in it")
         self.metrics.step_errors.inc()
         self._consecutive_failures += 1
-        scheduler = self.engine.scheduler
-        affected = [r.request_id for r in (scheduler.running or scheduler.waiting)]
+        from loraplex.engine.request import RequestStatus
+
+        engine = self.engine
+        affected = engine.request_ids(RequestStatus.RUNNING) or engine.request_ids(RequestStatus.WAITING)
         error = StepFailed(f"the engine failed while running this request: {type(exc).__name__}: {exc}")
         deliveries: list[tuple[RequestStream, RequestOutput | BaseException]] = []
         for request_id in affected:
@@ -476,31 +494,15 @@ class AsyncEngine:
             if future is not None:
                 self._resolve(future, EngineUnavailable("the engine loop stopped before running this"))
 
-    def _refresh_adapters(self) -> None:
-        residency = self.engine.adapters
-        self.adapters = {name: entry.manifest.sha256 for name, entry in residency.registered.items()}
-        self.adapter_pages = {name: entry.pages for name, entry in residency.registered.items()}
-        self.failed_adapters = dict(residency.failed)
-
     def _publish(self, force: bool = False) -> None:
-        scheduler = self.engine.scheduler
-        self.waiting, self.running = len(scheduler.waiting), len(scheduler.running)
+        stats = self.engine.stats()
+        self.waiting, self.running = stats.waiting, stats.running
         metrics = self.metrics
         metrics.observe_queue(self.waiting + self._pending_adds, self.running)
         now = time.monotonic()
         if not force and now - self._last_publish < self.publish_interval_s:
             return
         self._last_publish = now
-        pool = self.engine.pool
-        metrics.observe_pool(pool.pages_by_kind(), pool.num_pages)
-        residency = self.engine.adapters
-        stats = residency.stats
-        metrics.observe_adapters(
-            len(residency.registered),
-            len(residency.resident),
-            stats.loads,
-            stats.evictions,
-            stats.load_seconds,
-        )
-        if residency.failed != self.failed_adapters:  # a few entries: compared whole, not by count
-            self._refresh_adapters()
+        metrics.observe_engine(stats)
+        # What this thread adds that the engine cannot know: requests posted but not handed over yet.
+        metrics.observe_queue(self.waiting + self._pending_adds, self.running)

@@ -15,6 +15,8 @@ from collections.abc import Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from loraplex.engine.stats import EngineStats
+
 # Seconds: CPU decode steps take tens of milliseconds, GPU steps a few; long tails reach minutes.
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
@@ -73,6 +75,20 @@ class ServerMetrics:
         )
         self.adapter_load_seconds = Counter(
             "loraplex_adapter_load_seconds", "Time spent making adapters resident.", registry=r
+        )
+        self.adapters_draining = Gauge(
+            "loraplex_adapters_draining",
+            "Adapters unregistered but still serving the requests that named them.",
+            registry=r,
+        )
+        self.adapter_host_cache_bytes = Gauge(
+            "loraplex_adapter_host_cache_bytes", "Packed adapters held in host memory.", registry=r
+        )
+        self.adapter_host_cache_lookups = Counter(
+            "loraplex_adapter_host_cache_lookups",
+            "Adapter loads by what the host cache had: hit (packed), wait (its read was running), miss.",
+            ["result"],
+            registry=r,
         )
         self.adapter_registrations = Counter(
             "loraplex_adapter_registrations", "Adapter registrations by outcome.", ["outcome"], registry=r
@@ -133,16 +149,22 @@ class ServerMetrics:
         self.requests_waiting.set(waiting)
         self.requests_running.set(running)
 
-    def observe_adapters(
-        self, registered: int, resident: int, loads: int, evictions: int, load_seconds: float
-    ) -> None:
-        self.adapters_registered.set(registered)
-        self.adapters_resident.set(resident)
+    def observe_engine(self, stats: EngineStats) -> None:
+        """Pool, queue and adapter figures from one engine.stats() snapshot."""
+        self.observe_pool(stats.pages, stats.num_pages)
+        self.observe_queue(stats.waiting, stats.running)
+        self.adapters_registered.set(stats.adapters_registered)
+        self.adapters_resident.set(stats.adapters_resident)
+        self.adapters_draining.set(stats.adapters_draining)
+        self.adapter_host_cache_bytes.set(stats.host_cache_bytes)
         # The engine keeps running totals; the counters take what was added since the last look.
         for counter, key, value in (
-            (self.adapter_loads, "loads", float(loads)),
-            (self.adapter_evictions, "evictions", float(evictions)),
-            (self.adapter_load_seconds, "load_seconds", load_seconds),
+            (self.adapter_loads, "loads", float(stats.adapter_loads)),
+            (self.adapter_evictions, "evictions", float(stats.adapter_evictions)),
+            (self.adapter_load_seconds, "load_seconds", stats.adapter_load_seconds),
+            (self.adapter_host_cache_lookups.labels("hit"), "hits", float(stats.host_cache_hits)),
+            (self.adapter_host_cache_lookups.labels("wait"), "waits", float(stats.host_cache_waits)),
+            (self.adapter_host_cache_lookups.labels("miss"), "misses", float(stats.host_cache_misses)),
         ):
             previous = self._engine_stats.get(key, 0.0)
             if value > previous:

@@ -46,7 +46,7 @@ def run(
     outputs = engine.generate(prompts, params, adapters=adapters)
     assert engine.pool.pages_by_kind()["kv"] == 0
     if any(adapters):  # the pool is small enough that the run exercises both kinds of pressure
-        assert preemptions and engine.adapters.stats.evictions > 0
+        assert preemptions and engine.stats().adapter_evictions > 0
     return [o.token_ids for o in outputs]
 
 

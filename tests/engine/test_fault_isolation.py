@@ -16,7 +16,7 @@ import torch
 from loraplex.adapters import AdapterError, AdapterManifest
 from loraplex.engine import EngineConfig, LLMEngine, SamplingParams
 from loraplex.engine.engine import ADAPTER_FAILED, FailedOutput, RequestTooLarge, StepError
-from loraplex.engine.lora.residency import check_finite
+from loraplex.engine.lora.loader import check_finite
 from loraplex.engine.lora.sources import LoraWeights
 from loraplex.engine.lora.synthetic import SyntheticAdapter
 from loraplex.engine.request import RequestOutput
@@ -90,8 +90,8 @@ def test_an_overflowing_adapter_ends_only_its_own_requests() -> None:
     for guilty in outputs[-2:]:
         assert isinstance(guilty, FailedOutput) and guilty.error_code == ADAPTER_FAILED
         assert guilty.finish_reason == "error" and "not finite" in (guilty.error or "")
-    assert "not finite" in engine.adapters.failed["huge"]
-    assert "huge" not in engine.adapters.resident  # its pages went back at once
+    assert "not finite" in engine.registry.failed["huge"]
+    assert "huge" not in engine.registry.resident_names()  # its pages went back at once
     # The retry and a bisection over 7 adapters, not one run per adapter: a handful of forwards more.
     steps_without_fault = GREEDY.max_tokens
     assert calls[0] <= steps_without_fault + 2 + 2 * 3 + 1
@@ -108,11 +108,11 @@ def test_the_same_weights_stay_refused_and_other_weights_are_served() -> None:
     bad = Filled(SyntheticAdapter(base, seed=5, rank=4), 1e20)
     engine.register_adapter("tenant", bad)
     run(engine, mixed(["tenant"]))
-    reason = engine.adapters.failed["tenant"]
+    reason = engine.registry.failed["tenant"]
     engine.register_adapter("tenant", bad)  # the same digest again: the same fault
-    assert engine.adapters.failed["tenant"] == reason
+    assert engine.registry.failed["tenant"] == reason
     engine.register_adapter("tenant", SyntheticAdapter(base, seed=6, rank=4))  # other weights
-    assert "tenant" not in engine.adapters.failed
+    assert "tenant" not in engine.registry.failed
     assert all(o.finish_reason == "length" for o in run(engine, mixed(["tenant", None])).values())
 
 
@@ -134,9 +134,8 @@ def test_nan_weights_are_refused_when_loaded_and_no_step_fails() -> None:
     assert "NaN or infinite" in (broken.error or "")
     assert [o.finish_reason for o in outputs] == ["length", "error", "length", "length"]
     assert not isolations  # no retry, no bisection: nothing ever failed in a step
-    assert engine.pool.pages_by_kind()["adapter"] == sum(
-        len(r.pages) for r in engine.adapters.resident.values()
-    )
+    resident_pages = sum(len(r.pages) for r in engine.loader.resident.values())
+    assert engine.pool.pages_by_kind()["adapter"] == resident_pages
 
 
 def test_a_transient_failure_is_retried_once_and_nothing_fails() -> None:
@@ -153,7 +152,7 @@ def test_a_transient_failure_is_retried_once_and_nothing_fails() -> None:
 
     engine.runner.execute = flaky
     assert [o.token_ids for o in run(engine, mixed(names)).values()] == reference
-    assert failures[0] == 1 and not engine.adapters.failed
+    assert failures[0] == 1 and not engine.registry.failed
 
 
 def test_a_failure_no_adapter_explains_is_raised_after_one_retry() -> None:
@@ -171,7 +170,7 @@ def test_a_failure_no_adapter_explains_is_raised_after_one_retry() -> None:
         engine.step()
     assert attempts[0] == 2  # the step and its one retry; with no adapter in it, no bisection
     assert raised.value.outputs == []
-    assert not engine.adapters.failed
+    assert not engine.registry.failed
 
 
 def test_a_failure_every_adapter_shares_blames_none() -> None:
@@ -189,7 +188,7 @@ def test_a_failure_every_adapter_shares_blames_none() -> None:
         engine.add_request(prompt, GREEDY, adapter=adapter)
     with pytest.raises(StepError, match="out of scratch memory"):
         engine.step()
-    assert not engine.adapters.failed
+    assert not engine.registry.failed
 
 
 def test_check_finite_sees_overflow_in_the_pool_dtype() -> None:
@@ -202,7 +201,7 @@ def test_check_finite_sees_overflow_in_the_pool_dtype() -> None:
 
 def test_a_request_that_fits_only_without_its_adapter_is_refused_up_front() -> None:
     engine = tiny_engine(num_adapters=1, page_size=16)
-    adapter_pages = engine.adapters.pages_of("good0")
+    adapter_pages = engine.registry.pages_of("good0")
     usable = engine.pool.num_pages - 1
     kv_tokens = (usable - adapter_pages + 1) * 16  # fits the pool alone, not beside the adapter
     params = SamplingParams(max_tokens=kv_tokens - 4, temperature=0.0)
@@ -232,7 +231,7 @@ def test_non_finite_logits_no_adapter_explains_end_only_their_own_requests() -> 
     assert isinstance(broken, FailedOutput) and broken.error_code == "engine_error"
     assert "non-finite logits" in (broken.error or "")
     assert [o.token_ids for o in outputs[1:]] == reference
-    assert not engine.adapters.failed
+    assert not engine.registry.failed
     assert bool(torch.isfinite(engine.cache.memory).all()) and engine.pool.pages_by_kind()["kv"] == 0
 
 
@@ -261,6 +260,7 @@ def test_a_store_outage_is_not_the_adapter_s_fault_and_the_next_request_retries(
     first = list(run(engine, mixed(["remote", None])).values())
     assert isinstance(first[0], FailedOutput) and first[0].error_code == "adapter_unavailable"
     assert "did not answer" in (first[0].error or "") and first[1].finish_reason == "length"
-    assert "remote" not in engine.adapters.failed and not engine.adapters.unavailable
+    info = engine.adapter("remote")
+    assert info is not None and info.failed is None and not info.resident
     again = list(run(engine, mixed(["remote"])).values())
     assert again[0].finish_reason == "length"

@@ -79,3 +79,40 @@ def test_a_failed_load_raises_and_is_retried_next_time() -> None:
 def test_budget_must_be_positive() -> None:
     with pytest.raises(ValueError, match="positive"):
         HostCache(budget_bytes=0)
+
+
+def test_a_failed_prefetch_is_reported_to_the_next_get_once() -> None:
+    """A prefetch that fails leaves its error for the get that wanted the adapter (the store outage or
+    bad weights are that request's answer), and the get after it reads again."""
+    cache = HostCache(budget_bytes=1 << 20)
+    outcomes = [AdapterError("the store is down"), packed(2)]
+
+    def flaky() -> PackedAdapter:
+        outcome = outcomes.pop(0)
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    cache.prefetch("x", flaky)
+    with pytest.raises(AdapterError, match="down"):
+        cache.get("x", flaky)
+    assert cache.get("x", flaky).num_rows == 2 and not outcomes
+    assert (cache.stats.waits, cache.stats.misses, cache.stats.failures) == (1, 1, 1)
+    cache.close()
+
+
+def test_discard_while_a_prefetch_is_in_flight_keeps_nothing() -> None:
+    cache = HostCache(budget_bytes=1 << 20)
+    started, release = threading.Event(), threading.Event()
+
+    def slow() -> PackedAdapter:
+        started.set()
+        release.wait(5)
+        return packed(3)
+
+    cache.prefetch("gone", slow)
+    assert started.wait(5)
+    cache.discard("gone")  # unregistered while its read was running
+    release.set()
+    cache.close()  # waits for the worker: the pack finished and was dropped
+    assert "gone" not in cache and cache.bytes_used == 0 and cache.stats.loads == 1

@@ -118,7 +118,7 @@ def test_mixed_adapter_batch_matches_peft_under_pressure(smollm2, peft_model) ->
             if out.finished:
                 finished[out.request_id] = out.token_ids
     assert sum(r.num_preemptions for r in tracked.values()) > 0, "expected KV preemption"
-    assert engine.adapters.stats.evictions > 0, "expected adapter evictions"
+    assert engine.stats().adapter_evictions > 0, "expected adapter evictions"
     for request_id, want in zip(request_ids, expected, strict=True):
         assert (
             finished[request_id] == want[: len(finished[request_id])]

@@ -1,4 +1,5 @@
-"""Adapter residency bookkeeping on a tiny model: load on demand, hold while used, evict when unused."""
+"""Adapter residency on a tiny model: registry pages and loader copies, hold while used, evict when unused,
+unregister drains, prefetch on arrival."""
 
 from __future__ import annotations
 
@@ -26,21 +27,28 @@ def engine_and_adapters(tmp_path_factory: pytest.TempPathFactory) -> tuple[LLMEn
 
 def test_load_hold_release_evict(engine_and_adapters) -> None:  # type: ignore[no-untyped-def]
     engine, dirs = engine_and_adapters
-    residency = engine.adapters
+    registry, loader = engine.registry, engine.loader
     for name, path in dirs.items():
         engine.register_adapter(name, path)
     assert engine.pool.pages_by_kind()["adapter"] == 0  # registered is not resident
-    assert residency.acquire("a")
+    registry.add_user("a")
+    assert registry.acquire("a")
     used = engine.pool.pages_by_kind()["adapter"]
-    assert used == len(residency.resident["a"].pages) > 0
-    with pytest.raises(AdapterError, match="serving requests"):
+    (load,) = registry.pending_loads()  # pages handed out, rows not copied yet
+    assert load.name == "a" and len(load.pages) == used > 0 and "a" not in loader.resident
+    version = loader.version
+    assert loader.load([load]) == [] and loader.version != version
+    assert loader.resident["a"].pages == load.pages and not registry.pending_loads()
+    with pytest.raises(AdapterError, match="serving 1 request"):
         engine.register_adapter("a", dirs["a"])
-    assert residency.evict_unused(engine.pool.num_pages) == 0  # in use: never evicted
-    residency.release("a")
-    assert "a" in residency.resident  # unused adapters stay until their pages are wanted
-    version = residency.version
-    assert residency.evict_unused(engine.pool.num_pages) == used
-    assert engine.pool.pages_by_kind()["adapter"] == 0 and residency.version != version
+    assert registry.evict_unused(engine.pool.num_pages) == 0  # in use: never evicted
+    registry.release("a")
+    registry.remove_user("a")
+    assert "a" in registry.resident_names()  # unused adapters stay until their pages are wanted
+    version = loader.version
+    assert registry.evict_unused(engine.pool.num_pages) == used
+    assert engine.pool.pages_by_kind()["adapter"] == 0 and loader.version != version
+    assert "a" not in loader.resident and "a" in loader.host  # the host copy stays for next time
 
 
 def test_kv_takes_pages_from_unused_adapters(engine_and_adapters) -> None:  # type: ignore[no-untyped-def]
@@ -48,11 +56,11 @@ def test_kv_takes_pages_from_unused_adapters(engine_and_adapters) -> None:  # ty
     for name, path in dirs.items():
         engine.register_adapter(name, path)
     outputs = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=2, temperature=0.0), adapters="b")
-    assert len(outputs[0].token_ids) == 2 and "b" in engine.adapters.resident
+    assert len(outputs[0].token_ids) == 2 and "b" in engine.registry.resident_names()
     # A base request whose KV needs the whole pool: the unused adapter gives way.
     free = engine.pool.num_pages - 1
     engine.generate([[3] * (free * 16 - 12)], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
-    assert "b" not in engine.adapters.resident and engine.adapters.stats.evictions >= 1
+    assert "b" not in engine.registry.resident_names() and engine.stats().adapter_evictions >= 1
     assert engine.pool.pages_by_kind() == {"free": free, "kv": 0, "adapter": 0, "reserved": 1}
     with pytest.raises(ValueError, match="not registered"):
         engine.add_request([1, 2], adapter="missing")
@@ -67,27 +75,45 @@ def test_register_by_uri_checks_the_hash(engine_and_adapters) -> None:  # type: 
     assert manifest.sha256 == digest
     with pytest.raises(AdapterError, match="expected"):
         engine.register_adapter("wrong-hash", dirs["a"].resolve().as_uri(), sha256="0" * 64)
-    assert "wrong-hash" not in engine.adapters.registered
+    assert engine.adapter("wrong-hash") is None
     with pytest.raises(AdapterError, match="not supported"):
         engine.register_adapter("s3", "s3://bucket/adapter")
 
 
-def test_unregister_frees_pages_and_refuses_while_in_use(engine_and_adapters) -> None:  # type: ignore[no-untyped-def]
+def test_unregister_drains_then_forgets_pages_and_host_bytes(engine_and_adapters) -> None:  # type: ignore[no-untyped-def]
+    """Unregistering refuses new requests at once; the running one finishes with the adapter's weights,
+    then its pages and its host copy go, and the name can be registered again."""
     engine, dirs = engine_and_adapters
+    engine.register_adapter("other", dirs["a"])
+    engine.generate([[1, 2]], SamplingParams(max_tokens=1, temperature=0.0), adapters="other")
+    before = engine.stats()
     engine.register_adapter("gone", dirs["b"])
-    request_id = engine.add_request([4, 5, 6], SamplingParams(max_tokens=4, temperature=0.0), adapter="gone")
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    expected = engine.generate([[4, 5, 6]], params, adapters="gone")[0].token_ids
+    request_id = engine.add_request([4, 5, 6], params, adapter="gone")
     engine.step()
-    assert "gone" in engine.adapters.resident
-    with pytest.raises(AdapterError, match="in use"):
-        engine.unregister_adapter("gone")
-    engine.abort(request_id)
-    engine.unregister_adapter("gone")
-    assert "gone" not in engine.adapters.registered and "gone" not in engine.adapters.resident
-    assert "gone" not in engine.adapters.host
-    with pytest.raises(AdapterError, match="not registered"):
-        engine.unregister_adapter("gone")
+    during = engine.stats()
+    pages = engine.registry.pages_of("gone")
+    assert during.pages["adapter"] >= pages and during.host_cache_bytes > before.host_cache_bytes
+    assert engine.unregister_adapter("gone") is False  # in use: it drains
+    assert engine.adapter("gone") is None and engine.stats().adapters_draining == 1
     with pytest.raises(ValueError, match="not registered"):
         engine.add_request([1, 2], adapter="gone")
+    with pytest.raises(AdapterError, match="not registered"):
+        engine.unregister_adapter("gone")
+    finished = {}
+    while engine.has_unfinished():
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+    assert finished[request_id].token_ids == expected  # served to the end with its own weights
+    after = engine.stats()
+    assert after.adapters_draining == 0 and "gone" not in engine.registry.resident_names()
+    assert after.pages["adapter"] == during.pages["adapter"] - pages
+    assert after.host_cache_bytes == before.host_cache_bytes and "gone" not in engine.loader.host
+    assert engine.registry.entry("gone") is None and "gone" not in engine.loader.resident
+    engine.register_adapter("gone", dirs["b"])  # the name is free again
+    assert engine.generate([[4, 5, 6]], params, adapters="gone")[0].token_ids == expected
+    assert engine.unregister_adapter("gone") is True  # unused: forgotten at once
+    assert engine.unregister_adapter("other") is True
 
 
 def test_weights_that_vanish_fail_their_requests_only(tmp_path: Path, engine_and_adapters) -> None:  # type: ignore[no-untyped-def]
@@ -152,7 +178,7 @@ def test_max_resident_adapters_caps_the_pool() -> None:
     params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
     outputs = capped.generate([[1, 2, 3]] * 4, params, adapters=[f"r{i}" for i in range(4)])
     assert all(len(o.token_ids) == 2 for o in outputs)
-    assert len(capped.adapters.resident) <= 2 and capped.adapters.stats.evictions >= 2
+    assert len(capped.registry.resident_names()) <= 2 and capped.stats().adapter_evictions >= 2
 
 
 def test_adapters_of_queued_requests_are_prefetched() -> None:
@@ -166,6 +192,7 @@ def test_adapters_of_queued_requests_are_prefetched() -> None:
         engine.register_adapter(f"p{i}", SyntheticAdapter(base, seed=i, rank=3))
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
     engine.generate([[1, 2, 3]] * 4, params, adapters=[f"p{i}" for i in range(4)])
-    host = engine.adapters.host.stats
-    # Only the first adapter is read on the spot; the rest were started while earlier requests ran.
-    assert host.misses == 1 and host.hits + host.waits == 3 and host.loads == 4
+    stats = engine.stats()
+    # Every adapter's read started when its request was added, none when a step first wanted it.
+    assert stats.host_cache_misses == 0 and stats.host_cache_hits + stats.host_cache_waits == 4
+    assert engine.loader.host.stats.loads == 4

@@ -6,12 +6,12 @@ import pytest
 import torch
 
 from loraplex.engine import EngineConfig, LLMEngine, SamplingParams
-from loraplex.engine.request import Request
+from loraplex.engine.request import Request, SamplingState
 from loraplex.engine.sampler import _filtered_probs, sample
 
 
 def request(params: SamplingParams, seed: int = 0) -> Request:
-    return Request("r", [1], params, 0, generator=torch.Generator().manual_seed(seed))
+    return Request("r", [1], params, 0, sampling=SamplingState(torch.Generator().manual_seed(seed)))
 
 
 def test_greedy_takes_the_argmax() -> None:

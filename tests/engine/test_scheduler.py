@@ -1,18 +1,74 @@
-"""Continuous batching bookkeeping, driven by a fake model that needs no torch."""
+"""Continuous batching bookkeeping, driven by a fake model that needs no torch: every sampled token is 7,
+every adapter load succeeds at once (the registry is told so, as the loader would)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from loraplex.engine.pool import PagePool
+from loraplex.adapters import AdapterError
+from loraplex.engine.lora.registry import AdapterRegistry
+from loraplex.engine.pool import PageKind, PagePool
 from loraplex.engine.request import Request, RequestStatus
 from loraplex.engine.sampling_params import SamplingParams
-from loraplex.engine.scheduler import Scheduler
+from loraplex.engine.scheduler import Scheduler, StepPlan
+from loraplex.engine.stopping import StopChecker
+
+TOKEN = 7
 
 
-def make_request(index: int, prompt_len: int, max_tokens: int) -> Request:
-    return Request(f"r{index}", list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens), index)
+def make_request(index: int, prompt_len: int, max_tokens: int, adapter: str | None = None) -> Request:
+    params = SamplingParams(max_tokens=max_tokens)
+    return Request(f"r{index}", list(range(1, prompt_len + 1)), params, index, adapter=adapter)
+
+
+@dataclass(frozen=True)
+class FakeSource:
+    """What the registry keeps of a source: its manifest's digest (the weights are the loader's)."""
+
+    sha256: str = "0" * 64
+
+    @property
+    def manifest(self) -> Any:
+        return SimpleNamespace(sha256=self.sha256)
+
+
+@dataclass
+class Listener:
+    dropped_names: list[str] = field(default_factory=list)
+    forgotten_names: list[str] = field(default_factory=list)
+
+    def dropped(self, name: str) -> None:
+        self.dropped_names.append(name)
+
+    def forgotten(self, name: str) -> None:
+        self.forgotten_names.append(name)
+
+
+def load_all(registry: AdapterRegistry | None, plan: StepPlan) -> None:
+    """The loader's part: every load succeeds."""
+    for load in plan.adapter_loads:
+        assert registry is not None
+        assert all(registry.pool.owner_of(p) == ("adapter", load.name) for p in load.pages)
+        registry.loaded(load.name)
+
+
+def check_pages(scheduler: Scheduler) -> None:
+    """Every page is free, the zero page, a running request's, or a resident adapter's: once."""
+    owned = [p for r in scheduler.running for p in r.pages]
+    registry = scheduler.adapters
+    if registry is not None:
+        for name in registry.resident_names():
+            entry = registry.entry(name)
+            assert entry is not None and entry.pages is not None
+            owned += entry.pages
+    assert len(owned) == len(set(owned)), "a page is owned twice"
+    assert len(owned) + scheduler.pool.num_free == scheduler.pool.num_pages, "a page leaked"
 
 
 def run_to_completion(
@@ -26,6 +82,7 @@ def run_to_completion(
         stats["steps"] += 1
         assert stats["steps"] < max_steps, "no progress"
         out = scheduler.schedule()
+        load_all(scheduler.adapters, out)
         assert out.chunks, "an unfinished scheduler scheduled nothing"
         assert out.num_tokens <= scheduler.max_batch_tokens
         assert len(scheduler.running) <= scheduler.max_num_seqs
@@ -37,16 +94,14 @@ def run_to_completion(
             assert chunk.start == request.num_computed_tokens
             assert len(request.pages) * scheduler.page_size >= chunk.end, "chunk runs past its pages"
             assert request.status is RequestStatus.RUNNING
-        owned = [p for r in scheduler.running for p in r.pages]
-        assert len(owned) == len(set(owned)), "a page is owned by two requests"
-        assert len(owned) + scheduler.pool.num_free == scheduler.pool.num_pages, "a page leaked"
-        for chunk in out.chunks:
-            chunk.request.num_computed_tokens = chunk.end
-            if chunk.samples:
-                chunk.request.output_token_ids.append(7)
-                if len(chunk.request.output_token_ids) >= chunk.request.params.max_tokens:
-                    scheduler.finish(chunk.request, "length")
-    assert scheduler.pool.num_free == scheduler.pool.num_pages
+            if request.adapter is not None:
+                assert request.holds_adapter
+        check_pages(scheduler)
+        sampled = scheduler.postprocess(out, [TOKEN] * len(out.sampling))
+        assert sampled == [c.request for c in out.chunks if c.samples]
+        check_pages(scheduler)
+    kv = scheduler.pool.pages_by_kind()["kv"]
+    assert kv == 0 and not scheduler.running and not scheduler.waiting
     return stats
 
 
@@ -93,8 +148,9 @@ def test_chunked_prefill_splits_long_prompts_under_the_budget() -> None:
         assert chunk.num_tokens <= 32
         starts.append(chunk.start)
         assert chunk.samples == (chunk.end == 100)
-        long_request.num_computed_tokens = chunk.end
-    assert starts == [0, 32, 64, 96]
+        sampled = scheduler.postprocess(out, [TOKEN] * chunk.samples)
+        assert sampled == ([long_request] if chunk.samples else [])
+    assert starts == [0, 32, 64, 96] and long_request.output_token_ids == [TOKEN]
 
 
 def test_requests_join_a_running_batch_between_steps() -> None:
@@ -102,9 +158,7 @@ def test_requests_join_a_running_batch_between_steps() -> None:
     scheduler = Scheduler(pool, page_size=4, max_num_seqs=4, max_batch_tokens=64)
     first = make_request(0, 5, 10)
     scheduler.add(first)
-    out = scheduler.schedule()
-    first.num_computed_tokens = out.chunks[0].end
-    first.output_token_ids.append(7)
+    scheduler.postprocess(scheduler.schedule(), [TOKEN])
     second = make_request(1, 3, 10)
     scheduler.add(second)
     out = scheduler.schedule()
@@ -118,60 +172,120 @@ def test_max_num_seqs_caps_the_running_batch() -> None:
     assert stats["max_batch"] == 2
 
 
-class CountingAdapters:
-    """Adapter residency as the scheduler sees it: each adapter takes `pages` pool pages when loaded."""
-
-    def __init__(self, pool: PagePool, pages: int):
-        self.pool, self.pages = pool, pages
-        self.held: dict[str, list[int]] = {}
-        self.references: dict[str, int] = {}
-        self.loads = 0
-
-    def pages_needed(self, name: str) -> int:
-        return 0 if name in self.held else self.pages
-
-    def acquire(self, name: str) -> bool:
-        if name not in self.held:
-            if not self.pool.can_allocate(self.pages):
-                return False
-            self.held[name] = self.pool.allocate(self.pages, ("adapter", name))
-            self.loads += 1
-        self.references[name] = self.references.get(name, 0) + 1
-        return True
-
-    def release(self, name: str) -> None:
-        self.references[name] -= 1
-
-    def evict_unused(self, pages_wanted: int) -> int:
-        freed = 0
-        for name in [n for n, refs in self.references.items() if refs == 0]:
-            if self.pool.num_free >= pages_wanted:
-                break
-            self.pool.free(self.held.pop(name), ("adapter", name))
-            del self.references[name]
-            freed += self.pages
-        return freed
-
-    def evictable_pages(self) -> int:
-        return sum(len(self.held[n]) for n, refs in self.references.items() if refs == 0)
-
-
 def test_a_request_waits_until_its_adapter_and_its_chunk_fit_together() -> None:
     """Admission counts the adapter's pages: with room for the adapter but not for it and the prompt's
-    pages, the request waits, and its adapter is not loaded (only to be evicted again at once)."""
+    pages, the request waits, and no pages are handed to its adapter (only to be evicted again at once)."""
     pool = PagePool(12)
-    adapters = CountingAdapters(pool, pages=4)
-    scheduler = Scheduler(pool, page_size=4, max_num_seqs=4, max_batch_tokens=64, adapters=adapters)
+    registry = AdapterRegistry(pool)
+    registry.register("a", FakeSource(), num_pages=4)
+    scheduler = Scheduler(pool, page_size=4, max_num_seqs=4, max_batch_tokens=64, adapters=registry)
     hog = make_request(0, prompt_len=24, max_tokens=4)  # 6 pages of 12: 6 left
     scheduler.add(hog)
-    assert [c.request for c in scheduler.schedule().chunks] == [hog]
-    hog.num_computed_tokens, hog.output_token_ids = 24, [7]  # prefilled; its first decode takes a page
-    tenant = make_request(1, prompt_len=12, max_tokens=2)  # 3 pages + 4 for its adapter: 7 > 5 free
-    tenant.adapter = "a"
+    plan = scheduler.schedule()
+    assert [c.request for c in plan.chunks] == [hog] and not plan.adapter_loads
+    scheduler.postprocess(plan, [TOKEN])  # prefilled; its first decode takes a page
+    tenant = make_request(1, prompt_len=12, max_tokens=2, adapter="a")  # 3 pages + 4: 7 > 5 free
     scheduler.add(tenant)
-    out = scheduler.schedule()
-    assert [c.request for c in out.chunks] == [hog] and list(scheduler.waiting) == [tenant]
-    assert adapters.loads == 0 and pool.num_free == 5
+    plan = scheduler.schedule()
+    assert [c.request for c in plan.chunks] == [hog] and list(scheduler.waiting) == [tenant]
+    assert not plan.adapter_loads and pool.num_free == 5
     scheduler.finish(hog, "length")
-    out = scheduler.schedule()
-    assert [c.request for c in out.chunks] == [tenant] and adapters.loads == 1
+    plan = scheduler.schedule()
+    assert [c.request for c in plan.chunks] == [tenant]
+    assert [(load.name, len(load.pages)) for load in plan.adapter_loads] == [("a", 4)]
+    assert pool.pages_by_kind()["adapter"] == 4  # counted against the pool before any copy
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    requests=st.lists(
+        st.tuples(st.integers(1, 40), st.integers(1, 12), st.sampled_from([None, "a", "b", "c", "d"])),
+        min_size=1,
+        max_size=12,
+    ),
+    adapter_pages=st.integers(1, 4),
+    slack_pages=st.integers(0, 24),
+    max_resident=st.sampled_from([None, 1, 2]),
+)
+def test_adapters_and_requests_share_the_pool_without_leaks(
+    requests: list[tuple[int, int, str | None]],
+    adapter_pages: int,
+    slack_pages: int,
+    max_resident: int | None,
+) -> None:
+    page_size = 4
+    longest = max(p + m for p, m, _ in requests)
+    pool = PagePool(-(-longest // page_size) + adapter_pages + slack_pages)
+    registry = AdapterRegistry(pool, max_resident)
+    for name in "abcd":
+        registry.register(name, FakeSource(), num_pages=adapter_pages)
+    scheduler = Scheduler(pool, page_size, max_num_seqs=4, max_batch_tokens=32, adapters=registry)
+    made = [make_request(i, p, m, a) for i, (p, m, a) in enumerate(requests)]
+    run_to_completion(scheduler, made)
+    assert all(len(r.output_token_ids) == r.params.max_tokens for r in made)
+    # Unused adapters stay resident until their pages are wanted; nothing else is left.
+    assert pool.pages_by_kind()["adapter"] == adapter_pages * len(registry.resident_names())
+    assert max_resident is None or len(registry.resident_names()) <= max_resident
+    assert all(registry.entry(n).users == 0 for n in "abcd")
+
+
+def test_postprocess_finishes_on_eos_stop_tokens_and_length() -> None:
+    pool = PagePool(32)
+    scheduler = Scheduler(pool, 4, 8, 64, stop=StopChecker(eos_token_ids=[2], max_model_len=9))
+    eos, stop_token, long = make_request(0, 3, 10), make_request(1, 3, 10), make_request(2, 3, 10)
+    stop_token.params = SamplingParams(max_tokens=10, stop_token_ids=[5])
+    for request in (eos, stop_token, long):
+        scheduler.add(request)
+    plan = scheduler.schedule()
+    assert scheduler.postprocess(plan, [2, 5, 4]) == [eos, stop_token, long]
+    assert (eos.finish_reason, stop_token.finish_reason, stop_token.output.stop_reason) == ("stop", "stop", 5)
+    assert not long.finished
+    for _ in range(5):  # the context holds 9 tokens: 3 of prompt, 6 of output
+        scheduler.postprocess(scheduler.schedule(), [4])
+    assert long.finish_reason == "length" and long.num_tokens == 9
+    with pytest.raises(ValueError, match="sampled 2 tokens for 0 requests"):
+        scheduler.postprocess(StepPlan(), [1, 2])
+    assert pool.num_free == pool.num_pages
+
+
+def test_a_request_whose_adapter_is_refused_while_it_waits_is_refused_not_run() -> None:
+    pool = PagePool(16)
+    registry = AdapterRegistry(pool)
+    registry.register("bad", FakeSource(), num_pages=2)
+    scheduler = Scheduler(pool, 4, 4, 64, adapters=registry)
+    doomed, fine = make_request(0, 3, 2, adapter="bad"), make_request(1, 3, 2)
+    scheduler.add(doomed)
+    scheduler.add(fine)
+    registry.mark_failed("bad", "its weights are NaN")
+    plan = scheduler.schedule()
+    assert plan.refused == [doomed] and doomed.finish_reason == "error"
+    assert [c.request for c in plan.chunks] == [fine] and not plan.adapter_loads
+
+
+def test_unregister_drains_then_forgets_and_the_name_can_come_back() -> None:
+    pool = PagePool(16)
+    registry = AdapterRegistry(pool)
+    listener = Listener()
+    registry.listeners.append(listener)
+    registry.register("gone", FakeSource(), num_pages=3)
+    scheduler = Scheduler(pool, 4, 4, 64, adapters=registry)
+    running, queued = make_request(0, 3, 3, adapter="gone"), make_request(1, 3, 3, adapter="gone")
+    scheduler.max_num_seqs = 1  # `queued` waits behind `running`
+    scheduler.add(running)
+    scheduler.add(queued)
+    plan = scheduler.schedule()
+    load_all(registry, plan)
+    assert registry.unregister("gone") is False  # two requests use it: it drains
+    assert "gone" not in registry and registry.names() == []
+    with pytest.raises(AdapterError, match="not registered"):
+        registry.add_user("gone")  # a new request naming it is refused at once
+    with pytest.raises(AdapterError, match="not registered"):
+        registry.unregister("gone")
+    with pytest.raises(AdapterError, match="being unregistered"):
+        registry.register("gone", FakeSource(), num_pages=3)
+    run_to_completion(scheduler, [])
+    assert running.finish_reason == queued.finish_reason == "length"  # both served to the end
+    assert registry.entry("gone") is None and listener.forgotten_names == ["gone"]
+    assert pool.pages_by_kind()[PageKind.ADAPTER] == 0 and pool.num_free == pool.num_pages
+    registry.register("gone", FakeSource("1" * 64), num_pages=3)  # the name is free again
+    assert "gone" in registry and registry.unregister("gone") is True

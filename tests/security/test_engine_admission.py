@@ -38,7 +38,7 @@ def complete(server: Server, model: str, prompt: list[int], **fields: Any) -> ht
 
 
 def adapter_pages(server: Server) -> int:
-    return server.engine.adapters.pages_of("uppercase")
+    return server.engine.registry.pages_of("uppercase")
 
 
 def test_a_request_that_fits_only_without_its_adapter_is_a_400_and_others_are_served(server: Server) -> None:
@@ -94,7 +94,7 @@ def test_a_request_that_does_not_fit_now_waits_and_then_runs(server: Server) -> 
     pages = adapter_pages(server)
     usable = NUM_PAGES - 1
     hog = [3000 + i for i in range((usable - pages) * PAGE - 2 * PAGE)]  # leaves the adapter a page short
-    loads_before = server.engine.adapters.stats.loads
+    loads_before = server.engine.stats().adapter_loads
     started = threading.Event()
     results: dict[str, httpx.Response] = {}
 
@@ -115,4 +115,4 @@ def test_a_request_that_does_not_fit_now_waits_and_then_runs(server: Server) -> 
     assert small.status_code == 200, small.text
     assert small.json()["choices"][0]["text"]
     # Loaded once, when it could run: never into pages the KV cache had to take back at once.
-    assert server.engine.adapters.stats.loads - loads_before <= 1
+    assert server.engine.stats().adapter_loads - loads_before <= 1

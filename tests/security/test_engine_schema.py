@@ -44,4 +44,4 @@ def test_no_server_errors(server: Server) -> None:
         check()
     # Whatever it sent, the engine is still ready and the adapter it started with still serves.
     assert server.state.ready
-    assert "uppercase" in server.engine.adapters.registered
+    assert "uppercase" in server.engine.registry

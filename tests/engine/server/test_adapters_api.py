@@ -130,22 +130,42 @@ def test_register_use_and_unregister(server: Server) -> None:
     assert gone.status_code == 404 and gone.json()["error"]["code"] == "adapter_not_found"
 
 
-def test_an_adapter_in_use_cannot_be_unregistered(server: Server) -> None:
+def test_an_adapter_in_use_drains_when_unregistered(server: Server) -> None:
+    """Unregistering takes the name away at once; the request already using the adapter finishes with
+    it, and then the engine forgets it (no pages, no host copy)."""
     url = f"{server.url}/internal/adapters"
+    server.wait_idle()
+    host_bytes = server.sample("loraplex_adapter_host_cache_bytes")
+    adapter_pages = server.sample("loraplex_pool_pages", 'kind="adapter"')
     body = {"name": "busy", "uri": str(DEMO_ADAPTER)}
     assert httpx.post(url, json=body, headers=INTERNAL, timeout=30).status_code == 201
     sdk = openai.OpenAI(
         base_url=f"{server.url}/v1", api_key="unused", default_headers=INTERNAL, max_retries=0, timeout=60
     )
-    stream = sdk.chat.completions.create(model="busy", messages=QUESTION, max_tokens=200, stream=True)
-    next(iter(stream))  # the request is running now
+    stream = sdk.chat.completions.create(model="busy", messages=QUESTION, max_tokens=24, stream=True)
+    chunks = iter(stream)
+    first = next(chunks)  # the request is running now
     try:
-        refused = httpx.delete(f"{url}/busy", headers=INTERNAL, timeout=10)
-        assert refused.status_code == 409 and "in use" in refused.json()["error"]["message"]
+        deleted = httpx.delete(f"{url}/busy", headers=INTERNAL, timeout=10)
+        assert deleted.status_code == 200 and deleted.json() == {
+            "name": "busy",
+            "deleted": True,
+            "draining": True,
+        }
+        listed = httpx.get(url, headers=INTERNAL, timeout=10).json()["data"]
+        assert "busy" not in [a["name"] for a in listed]  # no new request can name it
+        text = (first.choices[0].delta.content or "") + "".join(
+            c.choices[0].delta.content or "" for c in chunks
+        )
+        assert text.isupper()  # served to the end with its adapter
     finally:
         stream.close()
     server.wait_idle()
-    assert httpx.delete(f"{url}/busy", headers=INTERNAL, timeout=10).status_code == 200
+    assert server.sample("loraplex_adapters_draining") == 0
+    assert server.sample("loraplex_adapter_host_cache_bytes") == host_bytes  # its host copy is gone
+    assert server.sample("loraplex_pool_pages", 'kind="adapter"') <= adapter_pages  # and its pages
+    gone = httpx.delete(f"{url}/busy", headers=INTERNAL, timeout=10)
+    assert gone.status_code == 404 and gone.json()["error"]["code"] == "adapter_not_found"
 
 
 def test_registration_failures_say_why_and_serving_goes_on(server: Server, tmp_path: Path) -> None:
@@ -236,8 +256,8 @@ def test_a_gateway_adapter_that_fails_answers_with_the_reason(server: Server, tm
     # Refused from then on with the reason, without reading the store again, until other weights come.
     again = chat(server, "mine", good)
     assert again.status_code == 422 and again.json()["error"]["code"] == "adapter_failed"
-    assert server.state.engine is not None
-    reason = server.state.engine.failed_adapters[f"id:{adapter_id}"]
+    listed = httpx.get(f"{server.url}/internal/adapters", headers=INTERNAL, timeout=10).json()["data"]
+    reason = next(a["failed"] for a in listed if a["name"] == f"id:{adapter_id}")
     assert reason in damaged.json()["error"]["message"] and reason in again.json()["error"]["message"]
     # The others are served all along.
     assert "Paris" in content(chat(server, BASE))

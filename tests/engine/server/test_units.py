@@ -68,15 +68,31 @@ def test_tenant_labels_are_bounded() -> None:
 
 
 def test_engine_totals_become_counter_increments() -> None:
+    from dataclasses import replace
+
+    from loraplex.engine.stats import EngineStats
+
     metrics = ServerMetrics()
-    metrics.observe_adapters(registered=3, resident=1, loads=2, evictions=0, load_seconds=0.5)
-    metrics.observe_adapters(registered=3, resident=2, loads=5, evictions=1, load_seconds=0.75)
+    pages = {"free": 6, "kv": 1, "adapter": 0, "reserved": 1}
+    stats = EngineStats(8, pages, 0, 1, 3, 1, 0, 0, 2, 0, 0.5, 100, 1, 0, 1)
+    metrics.observe_engine(stats)
+    metrics.observe_engine(
+        replace(
+            stats,
+            adapters_resident=2,
+            adapter_loads=5,
+            adapter_evictions=1,
+            adapter_load_seconds=0.75,
+            host_cache_hits=3,
+        )
+    )
     registry = metrics.registry
     assert registry.get_sample_value("loraplex_adapter_loads_total") == 5
     assert registry.get_sample_value("loraplex_adapter_evictions_total") == 1
     assert registry.get_sample_value("loraplex_adapter_load_seconds_total") == 0.75
     assert registry.get_sample_value("loraplex_adapters_resident") == 2
-    metrics.observe_pool({"free": 6, "kv": 1, "adapter": 0, "reserved": 1}, 8)
+    assert registry.get_sample_value("loraplex_adapter_host_cache_lookups_total", {"result": "hit"}) == 3
+    assert registry.get_sample_value("loraplex_adapter_host_cache_bytes") == 100
     assert registry.get_sample_value("loraplex_pool_utilization") == 0.25
     assert registry.get_sample_value("loraplex_pool_pages", {"kind": "kv"}) == 1
 

@@ -1,0 +1,164 @@
+"""Moving adapter weights: read and pack them into host memory (ahead of time when it can), copy them
+into the pages the registry handed out, and keep the pool rows the LoRA stackers read.
+
+The engine runs `load(plan.adapter_loads)` between scheduling and running a step: each adapter is one
+host-cache lookup (a prefetch usually made it a hit) and one `index_copy_` into its pages. A load that
+fails is that adapter's alone: weights that cannot be read or verified, or that hold values not finite
+in the pool's dtype, make it refused (`at_fault`); a store that does not answer is not its fault, and
+the next request that wants it tries again. Either way the engine ends only its requests.
+
+What the stackers (`lora/step.py`) read of this object: `version` (changes whenever an adapter's pages
+do), `pool_rows`, `resident` (name -> pool rows per group), `base` and `head_dim`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from loraplex.adapters import AdapterError, AdapterManifest, BaseShape
+
+from .host_cache import HostCache
+from .layout import PackedAdapter, count_rows, pack_adapter, physical_rows
+from .registry import AdapterLoad, AdapterRegistry
+from .sources import AdapterSource, LoraWeights
+
+log = logging.getLogger(__name__)
+
+DEFAULT_HOST_CACHE_BYTES = 4 << 30
+
+
+@dataclass
+class ResidentRows:
+    """A resident adapter's pool rows, per projection group (what the LoRA ops gather with)."""
+
+    pages: list[int]
+    a_rows: dict[str, torch.Tensor]  # group -> [layers, C, in / head_dim] pool rows
+    b_rows: dict[str, torch.Tensor]  # group -> [layers, C, out / head_dim]
+
+
+@dataclass(frozen=True)
+class LoadFailure:
+    name: str
+    reason: str
+    at_fault: bool  # the adapter's weights are refused (False: its store did not answer)
+
+
+class AdapterLoader:
+    def __init__(
+        self,
+        registry: AdapterRegistry,
+        pool_rows: torch.Tensor,  # [num_pages * rows_per_page, head_dim] view of the pool memory
+        base: BaseShape,
+        rows_per_page: int,
+        host_cache_bytes: int = DEFAULT_HOST_CACHE_BYTES,
+    ):
+        self.registry = registry
+        self.pool_rows = pool_rows
+        self.base = base
+        self.head_dim = pool_rows.shape[1]
+        self.rows_per_page = rows_per_page
+        self.host = HostCache(host_cache_bytes)
+        self.resident: dict[str, ResidentRows] = {}
+        self.loads = 0  # copies into the pool
+        self.load_seconds = 0.0  # time spent loading (host reads included when not prefetched)
+        registry.listeners.append(self)
+
+    @property
+    def version(self) -> int:
+        return self.registry.version
+
+    def pages_for(self, manifest: AdapterManifest) -> int:
+        """Pool pages an adapter with this manifest occupies, known before reading its weights."""
+        return -(-count_rows(manifest, self.head_dim, self.rows_per_page) // self.rows_per_page)
+
+    def prefetch(self, names: Iterable[str]) -> None:
+        """Start reading the host copies of adapters about to be wanted (those of queued requests)."""
+        for name in names:
+            entry = self.registry.entry(name)
+            if entry is not None and not entry.resident and name not in self.registry.failed:
+                self.host.prefetch(name, self._packer(entry.source))
+
+    def load(self, loads: Sequence[AdapterLoad]) -> list[LoadFailure]:
+        """Copy each adapter into the pages the registry gave it; the ones that could not be loaded."""
+        failures = []
+        for load in loads:
+            failure = self._load(load)
+            if failure is not None:
+                self.registry.load_failed(load.name, failure.reason, failure.at_fault)
+                failures.append(failure)
+        return failures
+
+    def close(self) -> None:
+        self.host.close()
+
+    # -- told by the registry -------------------------------------------------------------------------
+
+    def dropped(self, name: str) -> None:
+        self.resident.pop(name, None)
+
+    def forgotten(self, name: str) -> None:
+        self.resident.pop(name, None)
+        self.host.discard(name)
+
+    # -- inside ---------------------------------------------------------------------------------------
+
+    def _load(self, load: AdapterLoad) -> LoadFailure | None:
+        began = time.perf_counter()
+        try:
+            packed = self.host.get(load.name, self._packer(load.source))
+        except ValueError as error:  # AdapterError among them: what is there is refused
+            log.warning("adapter %s failed to load: %s", load.name, error)
+            return LoadFailure(load.name, str(error), at_fault=True)
+        except Exception as error:  # the store did not answer: not the adapter's fault, tried again later
+            log.warning("adapter %s could not be fetched: %s", load.name, error)
+            reason = f"the adapter store could not be read: {type(error).__name__}: {error}"
+            return LoadFailure(load.name, reason, at_fault=False)
+        device = self.pool_rows.device
+        rows = physical_rows(packed.data_rows, load.pages, self.rows_per_page).to(device)
+        self.pool_rows.index_copy_(0, rows, packed.data.to(device, self.pool_rows.dtype, non_blocking=True))
+
+        def place(index: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            return {g: physical_rows(v, load.pages, self.rows_per_page).to(device) for g, v in index.items()}
+
+        self.resident[load.name] = ResidentRows(load.pages, place(packed.a_rows), place(packed.b_rows))
+        self.registry.loaded(load.name)
+        self.loads += 1
+        self.load_seconds += time.perf_counter() - began
+        log.debug("loaded adapter %s into %d pages", load.name, len(load.pages))
+        return None
+
+    def _packer(self, source: AdapterSource) -> Callable[[], PackedAdapter]:
+        dtype, pin = self.pool_rows.dtype, self.pool_rows.is_cuda
+
+        def pack() -> PackedAdapter:
+            weights = source.load(dtype)
+            check_finite(weights)
+            packed = pack_adapter(source.manifest, weights, self.base, self.head_dim, self.rows_per_page)
+            if not bool(torch.isfinite(packed.data).all()):
+                raise AdapterError(
+                    "the adapter's B matrices overflow when scaled by lora_alpha / r in this engine's "
+                    f"dtype ({dtype}): refusing it"
+                )
+            if pin:  # page-locked host memory: the copy into the pool runs at full bus speed
+                packed.data = packed.data.pin_memory()
+            return packed
+
+        return pack
+
+
+def check_finite(weights: LoraWeights) -> None:
+    """Refuse weights holding NaN or infinity (also when the pool's dtype is too narrow for them):
+    one such adapter would turn the logits of its requests into NaN, and a step that samples them
+    raises."""
+    for (layer, module), (a, b) in sorted(weights.items()):
+        for which, matrix in (("lora_A", a), ("lora_B", b)):
+            if not bool(torch.isfinite(matrix).all()):
+                raise AdapterError(
+                    f"{which} of layer {layer} {module} holds NaN or infinite values "
+                    f"(in {matrix.dtype}): refusing the adapter"
+                )

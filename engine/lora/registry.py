@@ -1,0 +1,300 @@
+"""Which adapters the engine serves, which sit in the pool, and which are refused: plain bookkeeping.
+
+Three tiers, as in S-LoRA: a registered adapter is a validated source (a manifest and a way to read the
+weights later); the loader's host cache (`loader.py`) holds packed copies of recently used ones; an
+adapter is resident while it owns pages of the pool (kind `adapter`, the same allocator and budget as
+the KV cache). This module is the part the scheduler talks to, so it imports no torch and reads no file:
+it hands out pages and records what the loader must copy (`pending_loads`), and the loader tells it how
+that went (`loaded` / `load_failed`).
+
+Every request naming an adapter is one of its users from the moment it is added until it ends; an
+admitted request also holds a reference that keeps the adapter resident. Adapters nobody holds stay
+resident until their pages are wanted, then the least recently used goes first. Unregistering is at once
+for new requests (the name is unknown from then on) and deferred for the requests already there: the
+adapter drains, and when its last user ends its pages and its host copy are freed.
+
+Faults stay with their adapter: weights the loader cannot read, verify or fit, and a step failure the
+engine attributes to it (`mark_failed`), refuse the adapter (`failed`, with the reason) until it is
+registered again with other weights (another digest) or unregistered.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from loraplex.adapters import AdapterError, AdapterManifest
+
+from ..pool import PageKind, PagePool
+
+if TYPE_CHECKING:  # sources read weights with torch; the registry only holds them
+    from .sources import AdapterSource
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class AdapterEntry:
+    name: str
+    source: AdapterSource
+    num_pages: int  # pool pages it occupies when resident
+    users: int = 0  # requests in the engine that name it, waiting or running
+    references: int = 0  # admitted requests, which keep it resident
+    pages: list[int] | None = None  # its pool pages while resident
+    loaded: bool = False  # its rows are in those pages (False: pages handed out, the copy still to do)
+    draining: bool = False  # unregistered: it serves its users, then it is forgotten
+
+    @property
+    def manifest(self) -> AdapterManifest:
+        return self.source.manifest
+
+    @property
+    def resident(self) -> bool:
+        return self.pages is not None
+
+
+@dataclass(frozen=True)
+class AdapterLoad:
+    """An adapter to copy into the pool before the step runs: its pages are already its own."""
+
+    name: str
+    pages: list[int]
+    source: AdapterSource
+
+
+class ResidencyListener(Protocol):
+    """Told when an adapter leaves the pool (its rows are stale) or the engine forgets it entirely."""
+
+    def dropped(self, name: str) -> None: ...
+
+    def forgotten(self, name: str) -> None: ...
+
+
+class AdapterRegistry:
+    def __init__(self, pool: PagePool, max_resident: int | None = None):
+        if max_resident is not None and max_resident < 1:
+            raise ValueError(f"max_resident must be at least 1, got {max_resident}")
+        self.pool = pool
+        self.max_resident = max_resident
+        self.failed: dict[str, str] = {}  # name -> why it is refused (the adapter is at fault)
+        self.evictions = 0
+        self.version = 0  # changes whenever an adapter's pages change: stacked gathers are stale then
+        self.listeners: list[ResidencyListener] = []
+        self._entries: dict[str, AdapterEntry] = {}  # registered and draining
+        self._unused: OrderedDict[str, None] = OrderedDict()  # resident, unreferenced, oldest first
+        self._loading: dict[str, None] = {}  # resident, rows not copied yet, in the order handed out
+        self._resident: dict[str, None] = {}  # in the order they were placed
+        self._num_draining = 0
+
+    # -- what the engine asks -----------------------------------------------------------------------
+
+    def __contains__(self, name: object) -> bool:
+        """Registered and not unregistered: a new request may name it."""
+        entry = self._entries.get(name) if isinstance(name, str) else None
+        return entry is not None and not entry.draining
+
+    def names(self) -> list[str]:
+        """Registered adapters (not those draining), sorted."""
+        return sorted(name for name, entry in self._entries.items() if not entry.draining)
+
+    def entry(self, name: str) -> AdapterEntry | None:
+        """Registered or draining."""
+        return self._entries.get(name)
+
+    def resident_names(self) -> list[str]:
+        return list(self._resident)
+
+    def num_registered(self) -> int:
+        return len(self._entries) - self._num_draining
+
+    def num_draining(self) -> int:
+        return self._num_draining
+
+    # -- registration -------------------------------------------------------------------------------
+
+    def register(self, name: str, source: AdapterSource, num_pages: int) -> AdapterManifest:
+        """Make `source` servable under `name`; it takes `num_pages` pages when resident. Registering a
+        name again replaces it, unless requests are using it (or still draining it)."""
+        if not name:
+            raise AdapterError("an adapter needs a non-empty name")
+        if num_pages > self.pool.num_pages - 1:
+            usable = self.pool.num_pages - 1
+            raise AdapterError(f"adapter {name!r} needs {num_pages} pages; the pool has {usable}")
+        manifest = source.manifest
+        fault = None
+        old = self._entries.get(name)
+        if old is not None:
+            if old.users:
+                if old.draining:
+                    raise AdapterError(
+                        f"adapter {name!r} is being unregistered and {old.users} request(s) still use it; "
+                        "register it again when they finish"
+                    )
+                raise AdapterError(
+                    f"adapter {name!r} is serving {old.users} request(s); register the new version under "
+                    "another name"
+                )
+            # The same weights again are the same fault: only other weights clear it.
+            if old.manifest.sha256 == manifest.sha256:
+                fault = self.failed.get(name)
+            self._forget(name)
+        self._entries[name] = AdapterEntry(name, source, num_pages)
+        if fault is not None:
+            self.failed[name] = fault
+        return manifest
+
+    def unregister(self, name: str) -> bool:
+        """New requests can no longer name `name`; True if it is forgotten now (pages and host copy
+        freed), False if it drains: the requests using it finish, then it is forgotten."""
+        entry = self._entries.get(name)
+        if entry is None or entry.draining:
+            raise AdapterError(f"adapter {name!r} is not registered")
+        if entry.users:
+            entry.draining = True
+            self._num_draining += 1
+            log.info("adapter %s drains: %d request(s) still use it", name, entry.users)
+            return False
+        self._forget(name)
+        return True
+
+    def mark_failed(self, name: str, reason: str) -> None:
+        """Refuse `name` from now on (it is at fault). Its pages are freed as soon as no request holds
+        it, its host copy at once, so nothing of it is served again."""
+        self.failed[name] = reason
+        for listener in self.listeners:
+            listener.forgotten(name)
+        entry = self._entries.get(name)
+        if entry is not None and entry.resident and not entry.references:
+            self._drop(entry)
+        log.warning("adapter %s is refused from now on: %s", name, reason)
+
+    # -- what the scheduler calls -------------------------------------------------------------------
+
+    def add_user(self, name: str) -> None:
+        entry = self._entries.get(name)
+        if entry is None or entry.draining:
+            raise AdapterError(f"adapter {name!r} is not registered")
+        entry.users += 1
+
+    def remove_user(self, name: str) -> None:
+        entry = self._entries[name]
+        entry.users -= 1
+        assert entry.users >= entry.references >= 0, name
+        if entry.draining and not entry.users:
+            self._forget(name)
+            log.info("adapter %s drained and is forgotten", name)
+
+    def pages_needed(self, name: str) -> int:
+        """Pages that acquiring `name` would take now: none if it is resident."""
+        entry = self._entries[name]
+        return 0 if entry.resident else entry.num_pages
+
+    def pages_of(self, name: str) -> int:
+        """Pages the adapter occupies when resident, whether it is now or not."""
+        return self._entries[name].num_pages
+
+    def acquire(self, name: str) -> bool:
+        """Hold `name` for an admitted request, handing it pages if it is not resident (the loader
+        copies its rows before the step runs). False if it is refused or no pages can be had."""
+        entry = self._entries[name]
+        if name in self.failed:
+            return False
+        if not entry.resident and not self._place(entry):
+            return False
+        entry.references += 1
+        self._unused.pop(name, None)
+        return True
+
+    def release(self, name: str) -> None:
+        entry = self._entries[name]
+        entry.references -= 1
+        assert entry.references >= 0, name
+        if entry.references:
+            return
+        if name in self.failed or not entry.loaded:  # refused, or pages handed out in vain: free them now
+            self._drop(entry)
+        else:
+            self._unused[name] = None
+
+    def evict_unused(self, pages_wanted: int) -> int:
+        """Free unreferenced adapters, least recently used first, until `pages_wanted` are free."""
+        freed = 0
+        while self._unused and self.pool.num_free < pages_wanted:
+            freed += self._evict_oldest()
+        return freed
+
+    def evictable_pages(self) -> int:
+        """Pages that evict_unused could free: those of resident adapters no request holds."""
+        return sum(self._entries[name].num_pages for name in self._unused)
+
+    def pending_loads(self) -> list[AdapterLoad]:
+        """Adapters holding pages whose rows are not copied yet, in the order they were handed out."""
+        loads = []
+        for name in self._loading:
+            entry = self._entries[name]
+            assert entry.pages is not None
+            loads.append(AdapterLoad(name, list(entry.pages), entry.source))
+        return loads
+
+    # -- what the loader reports --------------------------------------------------------------------
+
+    def loaded(self, name: str) -> None:
+        """The rows of `name` are in its pages: steps may read them."""
+        self._entries[name].loaded = True
+        self._loading.pop(name, None)
+        self.version += 1
+
+    def load_failed(self, name: str, reason: str, at_fault: bool) -> None:
+        """The loader could not copy `name`. At fault (unreadable, unverifiable, not finite): refused
+        from now on. Otherwise (the store did not answer) the next request that wants it tries again.
+        Its pages go back when the requests holding them end (the engine ends them now)."""
+        if at_fault:
+            self.mark_failed(name, reason)
+
+    # -- inside ---------------------------------------------------------------------------------------
+
+    def _place(self, entry: AdapterEntry) -> bool:
+        if self.max_resident is not None and len(self._resident) >= self.max_resident:
+            if not self._unused:
+                return False
+            self._evict_oldest()
+        if not self.pool.can_allocate(entry.num_pages):
+            self.evict_unused(entry.num_pages)
+            if not self.pool.can_allocate(entry.num_pages):
+                return False
+        entry.pages = self.pool.allocate(entry.num_pages, ("adapter", entry.name), PageKind.ADAPTER)
+        entry.loaded = False
+        self._loading[entry.name] = None
+        self._resident[entry.name] = None
+        return True
+
+    def _evict_oldest(self) -> int:
+        entry = self._entries[next(iter(self._unused))]
+        freed = entry.num_pages
+        self._drop(entry)
+        self.evictions += 1
+        return freed
+
+    def _drop(self, entry: AdapterEntry) -> None:
+        """Free the adapter's pages (it stays registered)."""
+        assert entry.references == 0 and entry.pages is not None, f"adapter {entry.name} is in use"
+        self.pool.free(entry.pages, ("adapter", entry.name))
+        entry.pages, entry.loaded = None, False
+        self._unused.pop(entry.name, None)
+        self._loading.pop(entry.name, None)
+        self._resident.pop(entry.name, None)
+        self.version += 1
+        for listener in self.listeners:
+            listener.dropped(entry.name)
+
+    def _forget(self, name: str) -> None:
+        entry = self._entries.pop(name)
+        assert not entry.users, f"adapter {name} is in use"
+        self._num_draining -= entry.draining
+        if entry.resident:
+            self._drop(entry)
+        self.failed.pop(name, None)
+        for listener in self.listeners:
+            listener.forgotten(name)

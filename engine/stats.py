@@ -1,0 +1,37 @@
+"""What the engine tells its callers about itself: torch-free values, safe to hand to another thread."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class AdapterInfo:
+    """A registered adapter as the engine's callers see it."""
+
+    name: str
+    sha256: str
+    pages: int  # pool pages it occupies when resident
+    resident: bool
+    failed: str | None  # why it is refused, if it is
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the engine's state and counters (what metrics and readiness read)."""
+
+    num_pages: int
+    pages: dict[str, int]  # pool pages by kind ("free", "kv", "adapter", "reserved")
+    waiting: int
+    running: int
+    adapters_registered: int
+    adapters_resident: int
+    adapters_failed: int
+    adapters_draining: int  # unregistered, still serving the requests that named them
+    adapter_loads: int  # copies into the pool
+    adapter_evictions: int
+    adapter_load_seconds: float
+    host_cache_bytes: int
+    host_cache_hits: int  # packed and ready when a load wanted it
+    host_cache_waits: int  # its prefetch was still running: the load waited for the rest
+    host_cache_misses: int  # never prefetched: read on the spot
