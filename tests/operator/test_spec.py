@@ -8,6 +8,7 @@ import re
 import jsonschema
 import pytest
 
+from loraplex.operator.overlay import PodTemplateOverlay
 from loraplex.operator.spec import (
     INTERNAL_TOKEN_KEY,
     AutoscalingSpec,
@@ -16,6 +17,7 @@ from loraplex.operator.spec import (
     ModelSpec,
     ReplicasSpec,
     ResourcesSpec,
+    RolloutSpec,
     SecretKeyRef,
     SpecError,
     parse,
@@ -59,6 +61,7 @@ def test_crd_defaults_match_the_dataclass_defaults() -> None:
         "resources": ResourcesSpec(),
         "replicas": ReplicasSpec(),
         "autoscaling": AutoscalingSpec(),
+        "rollout": RolloutSpec(),
     }
     token_key = spec["internalTokenSecretRef"]["properties"]["key"]["default"]
     assert token_key == INTERNAL_TOKEN_KEY == SecretKeyRef(name="x").key
@@ -100,6 +103,8 @@ def test_minimal_body_gets_defaults() -> None:
     assert parsed.spec.adapter_store is None
     assert parsed.spec.internal_token == SecretKeyRef(name="loraplex-secrets", key="internal-token")
     assert parsed.spec.model_cache == ModelCacheSpec()
+    assert parsed.spec.rollout == RolloutSpec(strategy="Surge", max_surge=1, max_unavailable=1)
+    assert parsed.spec.pod_template == PodTemplateOverlay()
     assert dataclasses.asdict(parsed.spec.resources) == {"gpus_per_replica": 1, "cpu": "4", "memory": "16Gi"}
 
 
@@ -133,6 +138,18 @@ def test_minimal_body_gets_defaults() -> None:
         ({"engine": {"image": "i", "extraArgs": [1]}}, "spec.engine.extraArgs must be a list of strings"),
         ({"resources": {"memory": "lots"}}, "spec.resources.memory 'lots'"),
         ({"resources": {"gpusPerReplica": True}}, "spec.resources.gpusPerReplica is True"),
+        ({"resources": {"gpusPerReplica": 2}}, "gpusPerReplica is 2; the engine uses one GPU per replica"),
+        (
+            {"engine": {"image": "ghcr.io/x y:1"}},
+            "spec.engine.image 'ghcr.io/x y:1' is not an image reference",
+        ),
+        ({"engine": {"image": "ghcr.io/Upper/engine:1"}}, "is not an image reference"),
+        ({"autoscaling": {"mode": "hpa", "target": 0.0001}}, "smallest target an HPA quantity can carry"),
+        (
+            {"rollout": {"strategy": "Surge", "maxUnavailable": 1}},
+            "maxUnavailable applies to strategy Replace",
+        ),
+        ({"rollout": {"maxSurge": 0}}, "spec.rollout.maxSurge is 0"),
         ({"autoscaling": {"metric": "pool_utilization", "target": 3}}, "above 1 for pool_utilization"),
         ({"autoscaling": {"target": 0}}, "target must be greater than 0"),
         ({"controlPlane": {"url": "http://x"}}, "spec.controlPlane was removed"),
@@ -168,6 +185,8 @@ def test_supported_model_uris_parse_and_pass_the_schema(uri: str) -> None:
 
 def test_name_too_long_is_rejected() -> None:
     bad = body()
-    bad["metadata"]["name"] = "x" * 60
-    with pytest.raises(SpecError, match=r"metadata\.name"):
+    bad["metadata"]["name"] = "x" * 57
+    with pytest.raises(SpecError, match=r"metadata\.name .* at most 56 characters"):
         parse(bad)
+    bad["metadata"]["name"] = "x" * 56
+    assert parse(bad).name == "x" * 56
