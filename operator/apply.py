@@ -87,14 +87,15 @@ def is_controlled_by(obj: Mapping[str, Any], idep: InferenceDeployment) -> bool:
 
 def describe_foreign(obj: Mapping[str, Any], idep: InferenceDeployment) -> str:
     meta = obj.get("metadata") or {}
+    what = f"{obj.get('kind')} {meta.get('namespace')}/{meta.get('name')}"
     controller = next(
         (ref for ref in meta.get("ownerReferences") or [] if ref.get("controller") is True), None
     )
-    owner = f"controlled by {controller.get('kind')} {controller.get('name')}" if controller else "not owned"
-    return (
-        f"{obj.get('kind')} {meta.get('namespace')}/{meta.get('name')} exists and is {owner}, not by this "
-        f"InferenceDeployment (uid {idep.uid}): the operator leaves it untouched; delete or rename it"
-    )
+    advice = "the operator leaves it untouched: delete or rename it"
+    if controller is None:
+        return f"{what} already exists without a controller; {advice}"
+    owner = f"{controller.get('kind')} {controller.get('name')} (uid {controller.get('uid')})"
+    return f"{what} is controlled by {owner}, not this InferenceDeployment (uid {idep.uid}); {advice}"
 
 
 @dataclass
