@@ -309,7 +309,7 @@ class LLMEngine:
             waiting=len(self.scheduler.waiting),
             running=len(self.scheduler.running),
             adapters_registered=registry.num_registered(),
-            adapters_resident=len(registry.resident_names()),
+            adapters_resident=registry.num_resident(),
             adapters_failed=len(registry.failed),
             adapters_draining=registry.num_draining(),
             adapter_loads=self.loader.loads,

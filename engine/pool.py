@@ -29,6 +29,7 @@ class PagePool:
         # Popped from the end: the lowest page numbers are handed out first, which keeps tests readable.
         self._free: list[int] = list(range(num_pages - 1, -1, -1))
         self._owner: dict[int, tuple[Hashable, PageKind]] = {}
+        self._owned_by_kind: Counter[PageKind] = Counter()  # kept as pages move: stats every step are free
 
     @property
     def num_free(self) -> int:
@@ -45,6 +46,7 @@ class PagePool:
         pages = [self._free.pop() for _ in range(count)]
         for page in pages:
             self._owner[page] = (owner, kind)
+        self._owned_by_kind[kind] += count
         return pages
 
     def free(self, pages: Iterable[int], owner: Hashable) -> None:
@@ -57,7 +59,7 @@ class PagePool:
                     f"page {page} is not owned by {owner!r} (owner: {held[0] if held else None!r})"
                 )
         for page in pages:
-            del self._owner[page]
+            self._owned_by_kind[self._owner.pop(page)[1]] -= 1
             self._free.append(page)
 
     def owner_of(self, page: int) -> Hashable | None:
@@ -65,5 +67,4 @@ class PagePool:
         return held[0] if held else None
 
     def pages_by_kind(self) -> dict[str, int]:
-        counts = Counter(kind.value for _, kind in self._owner.values())
-        return {"free": len(self._free), **{kind.value: counts.get(kind.value, 0) for kind in PageKind}}
+        return {"free": len(self._free), **{kind.value: self._owned_by_kind[kind] for kind in PageKind}}

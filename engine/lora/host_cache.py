@@ -49,6 +49,7 @@ class HostCache:
         self.budget_bytes = budget_bytes
         self.stats = HostCacheStats()
         self._packed: OrderedDict[str, tuple[PackedAdapter, int]] = OrderedDict()  # oldest first
+        self._bytes = 0  # the sizes in _packed, summed
         self._pending: dict[str, Future[PackedAdapter]] = {}
         self._lock = threading.Lock()
         self._workers = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="adapter-prefetch")
@@ -56,7 +57,7 @@ class HostCache:
     @property
     def bytes_used(self) -> int:
         with self._lock:
-            return sum(size for _, size in self._packed.values())
+            return self._bytes
 
     def __contains__(self, name: str) -> bool:
         with self._lock:
@@ -105,7 +106,8 @@ class HostCache:
     def discard(self, name: str) -> None:
         """Forget `name`: its packed copy, and whatever a prefetch in flight would have kept."""
         with self._lock:
-            self._packed.pop(name, None)
+            dropped = self._packed.pop(name, None)
+            self._bytes -= dropped[1] if dropped else 0
             self._pending.pop(name, None)
 
     def close(self) -> None:
@@ -152,17 +154,18 @@ class HostCache:
         return packed
 
     def _keep(self, name: str, packed: PackedAdapter) -> None:
-        self._packed[name] = (packed, packed_bytes(packed))
-        self._packed.move_to_end(name)
+        replaced = self._packed.pop(name, None)
+        size = packed_bytes(packed)
+        self._bytes += size - (replaced[1] if replaced else 0)
+        self._packed[name] = (packed, size)
         self._shrink(keep=name)
 
     def _shrink(self, keep: str) -> None:
         """Drop least recently used packs until within budget; `keep` (just packed) always stays."""
-        total = sum(size for _, size in self._packed.values())
         for name in list(self._packed):
-            if total <= self.budget_bytes:
+            if self._bytes <= self.budget_bytes:
                 break
             if name == keep:
                 continue
-            total -= self._packed.pop(name)[1]
+            self._bytes -= self._packed.pop(name)[1]
             self.stats.evictions += 1

@@ -106,6 +106,9 @@ class AdapterRegistry:
     def resident_names(self) -> list[str]:
         return list(self._resident)
 
+    def num_resident(self) -> int:
+        return len(self._resident)
+
     def num_registered(self) -> int:
         return len(self._entries) - self._num_draining
 

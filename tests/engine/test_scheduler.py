@@ -69,6 +69,9 @@ def check_pages(scheduler: Scheduler) -> None:
             owned += entry.pages
     assert len(owned) == len(set(owned)), "a page is owned twice"
     assert len(owned) + scheduler.pool.num_free == scheduler.pool.num_pages, "a page leaked"
+    by_kind = scheduler.pool.pages_by_kind()
+    assert by_kind["kv"] == sum(len(r.pages) for r in scheduler.running)
+    assert by_kind["kv"] + by_kind["adapter"] + by_kind["free"] == scheduler.pool.num_pages
 
 
 def run_to_completion(
