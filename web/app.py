@@ -20,6 +20,7 @@ from .db.session import Database
 from .services import adapters as adapters_service
 from .services.deployments import all_endpoints
 from .services.discovery import Discovery
+from .services.engine_sync import EngineSync
 from .services.errors import QuotaExceeded, ServiceError
 from .services.multipart import FORM_OVERHEAD_BYTES
 from .services.routing import Router
@@ -39,13 +40,24 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             settings.engine_read_timeout_s, connect=settings.engine_connect_timeout_s, pool=30.0
         )
         app.state.http = httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=512))
+        # Engines forget deleted adapters: a pass every interval and after each delete.
+        app.state.engine_sync = EngineSync(
+            app.state.http,
+            db,
+            app.state.router,
+            app.state.engine_token,
+            settings.engine_sync_interval_s,
+            settings.engine_connect_timeout_s,
+        )
         # Objects whose last adapter was deleted while the store was down are deleted now.
         await run_in_threadpool(_sweep, db, app.state.store)
         try:
             # Follow the pods of every kubernetes:// deployment known now; later ones on first use.
             await run_in_threadpool(discovery.start, await run_in_threadpool(all_endpoints, db))
+            app.state.engine_sync.start()
             yield
         finally:
+            await app.state.engine_sync.stop()
             await run_in_threadpool(discovery.stop)
             await app.state.http.aclose()
             db.dispose()

@@ -35,6 +35,9 @@ class Settings(BaseSettings):
     engine_read_timeout_s: float = Field(default=300.0, gt=0)
     # A replica that refused a connection is skipped for this long before it is tried again.
     endpoint_cooldown_s: float = Field(default=10.0, ge=0)
+    # How often every engine replica's adapter registrations are compared with the database, and the
+    # adapters deleted meanwhile unregistered (a delete also starts a pass at once): services/engine_sync.py.
+    engine_sync_interval_s: float = Field(default=30.0, gt=0, le=3600)
     # Replica discovery for kubernetes://<namespace>/<name> deployment endpoints: "auto" watches pods when
     # a cluster configuration exists (in a pod, or KUBECONFIG / ~/.kube/config), "on" refuses to start
     # without one, "off" never asks the Kubernetes API (such deployments then have no replicas).

@@ -533,5 +533,9 @@ def test_hostile_uploads_get_a_422_naming_the_field(
             continue
         assert response.status_code == 422, (name, response.text)
         assert message in response.json()["detail"], (name, response.text)
-    names = [a["name"] for a in client.get("/api/v1/adapters", headers=tenant).json()]
-    assert names == ["redos"]  # nothing of a refused upload is kept
+    listed = {a["name"]: a for a in client.get("/api/v1/adapters", headers=tenant).json()}
+    assert [name for name, a in listed.items() if a["status"] == "ready"] == ["redos"]
+    for name, (_, message) in cases.items():  # a refused upload is kept failed, with the reason only
+        if message is not None:
+            assert listed[name]["status"] == "failed" and message in listed[name]["error"], name
+            assert listed[name]["bytes"] == 0 and listed[name]["sha256"] is None, name

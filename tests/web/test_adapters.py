@@ -149,15 +149,21 @@ BAD = [
 
 
 @pytest.mark.parametrize("case", BAD)
-def test_bad_uploads_are_refused_and_nothing_is_stored(
+def test_bad_uploads_are_refused_kept_failed_with_the_reason_and_nothing_is_stored(
     client: TestClient, tenant: dict[str, str], peft_dir: Path, case: str
 ) -> None:
     files, expected = _bad_cases(peft_dir)[case]
     response = upload(client, tenant, files)
     assert response.status_code in (400, 413, 422), response.text
     assert expected in response.json()["detail"]
-    assert client.get("/api/v1/adapters", headers=tenant).json() == []
+    # The tenant sees the adapter failed, with the reason the upload was refused for; nothing was stored.
+    [row] = client.get("/api/v1/adapters", headers=tenant).json()
+    assert (row["name"], row["status"], row["error"]) == ("a1", "failed", response.json()["detail"])
+    assert row["bytes"] == 0 and row["sha256"] is None and row["rank"] is None
+    assert client.get("/api/v1/adapters/a1", headers=tenant).json() == row
     assert stored(client) == []
+    assert client.get("/api/v1/storage", headers=tenant).json()["bytes"] == 0
+    assert "a1" not in json.dumps(client.get("/v1/models", headers=tenant).json())
 
 
 def test_shape_mismatch_with_the_base_model(

@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from ..api.deps import SessionDep, SettingsDep
-from ..services import adapters, deployments, multipart, upload_quota
+from ..services import adapters, deployments, engine_sync, multipart, upload_quota
 from ..services.errors import ServiceError
 from .rendering import redirect, render
 from .security import CSRF_FIELD, CSRF_HEADER, CsrfRefused, Member, security_of, verify_csrf
@@ -43,7 +43,8 @@ def _page(
         "active": "adapters",
         "rows": rows,
         "deployments": deployments.list_deployments(session),
-        "validating": any(a.status == "validating" for a in rows),
+        # Another tab's upload still in progress: the page polls until it is ready or failed.
+        "validating": any(a.status in ("uploaded", "validating") for a in rows),
     }
     return render(request, "adapters.html", {**context, **extra}, status_code)
 
@@ -161,4 +162,5 @@ def delete_adapter(
             },
         )
     adapters.delete_adapter(session, user.tenant_id, name, request.app.state.store)
+    engine_sync.wake(request.app)  # engines forget it soon; this request does not wait for them
     return redirect(request, "/console/adapters", flash=f"Adapter “{name}” deleted.")

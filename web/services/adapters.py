@@ -1,5 +1,13 @@
 """Adapters: validate an upload against its deployment's base model, store it, and list or delete it.
 
+An adapter's status says where it is: UPLOADED (its row exists and its files have arrived), VALIDATING
+(unpacked, being checked against the base model), READY (stored; the gateway routes it), or FAILED with
+`error` saying why in words its tenant can act on: its upload was refused for its contents, it never
+finished (the control plane stopped mid-upload), or an engine refused it at run time. A FAILED adapter
+keeps its name and counts against max_adapters (so refused uploads cannot pile up rows without bound);
+uploading again under that name replaces it. Refusals that are not the adapter's fault (quota, storage
+down, name taken) keep nothing. Deleting an adapter reaches the engines through services/engine_sync.py.
+
 Storage is content-addressed and reference-counted: an adapter's object in the artifact store is keyed by
 its whole-adapter digest (config and weights) and shared by every adapter row with that digest; the
 `artifacts` row counts them, and the object is deleted once none is left. Quotas (adapters per tenant,
@@ -12,6 +20,7 @@ and on SQLite its first statement is a write, so it holds the database's write l
 
 from __future__ import annotations
 
+import datetime as dt
 import logging
 import tempfile
 import uuid
@@ -34,7 +43,7 @@ from loraplex.adapters import (
 )
 from loraplex.adapters.digest import ADAPTER_FILES
 
-from ..db.models import Adapter, AdapterStatus, Artifact, StorageUsage
+from ..db.models import Adapter, AdapterStatus, Artifact, Deployment, StorageUsage, utcnow
 from ..schemas import AdapterPublic, StorageUsagePublic
 from . import deployments
 from .errors import Conflict, Forbidden, Invalid, NotFound, ServiceError, TooLarge
@@ -45,6 +54,15 @@ log = logging.getLogger("loraplex.web.adapters")
 
 # Unreferenced artifacts deleted per sweep: bounded, so a store that is down never stalls a request long.
 SWEEP_BATCH = 16
+# An upload still UPLOADED or VALIDATING after this long was cut short (its control plane stopped): it is
+# failed (`fail_interrupted_uploads`) and may be replaced. The body has arrived before the row exists, so
+# what is left (unpack, validate, store) takes minutes at most even for the largest adapter.
+INTERRUPTED_AFTER = dt.timedelta(minutes=30)
+# The reason kept on a failed adapter: one printable line of bounded length.
+MAX_ERROR_CHARS = 1000
+INTERRUPTED = "the upload was interrupted before it was validated; upload the adapter again"
+IN_PROGRESS = (AdapterStatus.UPLOADED, AdapterStatus.VALIDATING)
+GONE_WHILE_UPLOADING = "the adapter was deleted or replaced while it was being uploaded; upload it again"
 
 
 class StorageUnavailable(ServiceError):
@@ -78,7 +96,9 @@ def upload_adapter(
     files: list[UploadedFile],
     upload_limit: int,
 ) -> AdapterPublic:
-    """Validate and store an adapter; on any refusal nothing is kept (no row, no artifact, no quota)."""
+    """Validate and store an adapter. Refused for its contents (Invalid, TooLarge): the adapter is kept
+    FAILED with the reason, and the error raised. Refused for anything else: nothing is kept (no row, no
+    artifact, no quota)."""
     deployment = deployments.by_name(session, deployment_name)
     quota = quota_of(session, tenant_id)
     _check_store(store)  # before anything is written: an upload the store cannot take is refused whole
@@ -86,34 +106,61 @@ def upload_adapter(
     if quota.max_adapter_bytes is not None:
         limit = min(limit, quota.max_adapter_bytes)
 
+    _replace_failed(session, store, tenant_id, name)
     adapter_id = _reserve_adapter(session, tenant_id, deployment.id, name, quota.max_adapters)
-    digest: str | None = None
-    try:
-        with tempfile.TemporaryDirectory(prefix="lpx-upload-") as work:
-            directory = Path(work)
-            unpack(files, directory, limit)
-            try:
-                manifest = inspect_adapter(directory, deployments.shape_of(deployment))
-            except AdapterError as exc:
-                raise Invalid(f"adapter refused for {deployment.base_model}: {exc}") from None
-            size = sum((directory / f).stat().st_size for f in ADAPTER_FILES)
-            if size > limit:
-                raise TooLarge(f"the adapter ({size} bytes) exceeds this tenant's {limit}-byte limit")
-            digest = manifest.sha256
+    with tempfile.TemporaryDirectory(prefix="lpx-upload-") as work:
+        directory = Path(work)
+        try:
+            manifest, size = _validate(session, adapter_id, files, directory, deployment, limit)
+        except (Invalid, TooLarge) as refused:
+            _fail_upload(session, adapter_id, refused.message)  # it holds no bytes and no artifact yet
+            raise
+        except BaseException:
+            _abandon(session, store, adapter_id, None)
+            raise
+        try:
             _claim_storage(session, store, adapter_id, tenant_id, manifest, size, quota.max_storage_bytes)
             try:
-                uri = store.put(directory, digest)
+                uri = store.put(directory, manifest.sha256)
             except StoreUnavailable as exc:
                 raise StorageUnavailable(f"the adapter could not be stored: {exc}") from None
-        _mark_ready(session, adapter_id, manifest, uri)
-    except BaseException:
-        session.rollback()
-        _release(session, adapter_id)
-        if digest is not None:  # the object may be half written: delete it now if nothing else uses it
-            sweep_artifacts(session, store, [digest])
-        raise
-    log.info("adapter ready", extra={"tenant": str(tenant_id), "adapter": name, "digest": digest})
+            _mark_ready(session, adapter_id, manifest, uri)
+        except BaseException:
+            _abandon(session, store, adapter_id, manifest.sha256)
+            raise
+    log.info("adapter ready", extra={"tenant": str(tenant_id), "adapter": name, "digest": manifest.sha256})
     return get_adapter(session, tenant_id, name)
+
+
+def _abandon(session: Session, store: ArtifactStore, adapter_id: uuid.UUID, digest: str | None) -> None:
+    """An upload refused for a reason other than its contents keeps nothing: its row and counts are given
+    back, and its object (perhaps half written) is deleted if nothing else uses it."""
+    session.rollback()
+    _release(session, adapter_id)
+    if digest is not None:
+        sweep_artifacts(session, store, [digest])
+
+
+def _validate(
+    session: Session,
+    adapter_id: uuid.UUID,
+    files: list[UploadedFile],
+    directory: Path,
+    deployment: Deployment,
+    limit: int,
+) -> tuple[AdapterManifest, int]:
+    """Unpack the upload into `directory` and check it against the deployment's base model: its manifest
+    and size in bytes, or Invalid / TooLarge saying what is wrong with it."""
+    unpack(files, directory, limit)
+    _set_status(session, adapter_id, AdapterStatus.UPLOADED, AdapterStatus.VALIDATING)
+    try:
+        manifest = inspect_adapter(directory, deployments.shape_of(deployment))
+    except AdapterError as exc:
+        raise Invalid(f"adapter refused for {deployment.base_model}: {exc}") from None
+    size = sum((directory / f).stat().st_size for f in ADAPTER_FILES)
+    if size > limit:
+        raise TooLarge(f"the adapter ({size} bytes) exceeds this tenant's {limit}-byte limit")
+    return manifest, size
 
 
 def _check_store(store: ArtifactStore) -> None:
@@ -137,7 +184,7 @@ def _reserve_adapter(
             f"this tenant already has its quota of {max_adapters} adapters (max_adapters); delete one first"
         )
     adapter = Adapter(
-        tenant_id=tenant_id, deployment_id=deployment_id, name=name, status=AdapterStatus.VALIDATING
+        tenant_id=tenant_id, deployment_id=deployment_id, name=name, status=AdapterStatus.UPLOADED
     )
     session.add(adapter)
     try:
@@ -163,13 +210,13 @@ def _claim_storage(
     new), in one transaction, before the object is written: a sweep never deletes an object in use."""
     described = session.execute(
         update(Adapter)
-        .where(Adapter.id == adapter_id)
+        .where(Adapter.id == adapter_id, Adapter.status == AdapterStatus.VALIDATING)
         .values(sha256=manifest.sha256, bytes=size)
         .execution_options(synchronize_session=False)
     )
     if _rowcount(described) == 0:
         session.rollback()
-        raise Conflict("the adapter was deleted while it was being uploaded")
+        raise Conflict(GONE_WHILE_UPLOADING)
     claim = update(StorageUsage).where(StorageUsage.tenant_id == tenant_id)
     if max_storage_bytes is not None:
         claim = claim.where(StorageUsage.bytes + size <= max_storage_bytes)
@@ -194,7 +241,7 @@ def _claim_storage(
 def _mark_ready(session: Session, adapter_id: uuid.UUID, manifest: AdapterManifest, uri: str) -> None:
     ready = session.execute(
         update(Adapter)
-        .where(Adapter.id == adapter_id)
+        .where(Adapter.id == adapter_id, Adapter.status == AdapterStatus.VALIDATING)
         .values(
             status=AdapterStatus.READY,
             rank=max(manifest.ranks),
@@ -205,8 +252,95 @@ def _mark_ready(session: Session, adapter_id: uuid.UUID, manifest: AdapterManife
     )
     if _rowcount(ready) == 0:
         session.rollback()
-        raise Conflict("the adapter was deleted while it was being uploaded")
+        raise Conflict(GONE_WHILE_UPLOADING)
     session.commit()
+
+
+def _set_status(
+    session: Session, adapter_id: uuid.UUID, current: AdapterStatus, status: AdapterStatus
+) -> None:
+    """Move an upload on to `status`, unless it left `current` meanwhile (deleted, or failed as
+    interrupted): then Conflict, and the upload stops."""
+    moved = session.execute(
+        update(Adapter)
+        .where(Adapter.id == adapter_id, Adapter.status == current)
+        .values(status=status)
+        .execution_options(synchronize_session=False)
+    )
+    if _rowcount(moved) == 0:
+        session.rollback()
+        raise Conflict(GONE_WHILE_UPLOADING)
+    session.commit()
+
+
+def _fail_upload(session: Session, adapter_id: uuid.UUID, reason: str) -> None:
+    """Keep an upload refused for its contents as FAILED with the reason (what the refusal said)."""
+    session.rollback()  # whatever the refusal interrupted
+    session.execute(
+        update(Adapter)
+        .where(Adapter.id == adapter_id, Adapter.status.in_(IN_PROGRESS))
+        .values(status=AdapterStatus.FAILED, error=error_text(reason))
+        .execution_options(synchronize_session=False)
+    )
+    session.commit()
+    log.info("adapter upload refused", extra={"adapter_id": str(adapter_id), "reason": reason})
+
+
+def _replace_failed(session: Session, store: ArtifactStore, tenant_id: uuid.UUID, name: str) -> None:
+    """An upload under the name of a failed adapter (or of an upload interrupted long ago) replaces it:
+    the old row goes with what it held, so the new one starts clean, under a new id (engines that
+    registered the old one forget it: services/engine_sync.py)."""
+    old = session.execute(
+        select(Adapter.id, Adapter.status, Adapter.created_at).where(
+            Adapter.tenant_id == tenant_id, Adapter.name == name
+        )
+    ).first()
+    session.rollback()  # end the read; _release takes the row in its own transaction
+    if old is None or not (old.status == AdapterStatus.FAILED or _interrupted(old.status, old.created_at)):
+        return  # nothing there, or an adapter in use or being uploaded: the reservation answers 409
+    released = _release(session, old.id)
+    if released is not None and released.digest is not None:
+        sweep_artifacts(session, store, [released.digest])
+
+
+def _interrupted(status: AdapterStatus, created_at: dt.datetime) -> bool:
+    if created_at.tzinfo is None:  # SQLite keeps no time zone; every time here is written in UTC
+        created_at = created_at.replace(tzinfo=dt.UTC)
+    return status in IN_PROGRESS and utcnow() - created_at > INTERRUPTED_AFTER
+
+
+def fail_interrupted_uploads(session: Session, now: dt.datetime | None = None) -> int:
+    """Fail the uploads that have been UPLOADED or VALIDATING for longer than any upload takes (their
+    control plane stopped mid-upload), so their tenants see why and may upload again; how many."""
+    cutoff = (now or utcnow()) - INTERRUPTED_AFTER
+    result = session.execute(
+        update(Adapter)
+        .where(Adapter.status.in_(IN_PROGRESS), Adapter.created_at < cutoff)
+        .values(status=AdapterStatus.FAILED, error=INTERRUPTED)
+        .execution_options(synchronize_session=False)
+    )
+    session.commit()
+    return _rowcount(result)
+
+
+def mark_failed(session: Session, sha256: str, reason: str) -> int:
+    """An engine refused these weights at run time (adapter_failed): every ready adapter with this digest
+    is failed with the engine's reason (they are the same bytes, and the engine now refuses the digest),
+    and the gateway stops routing them. How many rows changed."""
+    result = session.execute(
+        update(Adapter)
+        .where(Adapter.sha256 == sha256, Adapter.status == AdapterStatus.READY)
+        .values(status=AdapterStatus.FAILED, error=error_text(reason))
+        .execution_options(synchronize_session=False)
+    )
+    session.commit()
+    return _rowcount(result)
+
+
+def error_text(reason: str) -> str:
+    """A reason as kept on an adapter row and shown to its tenant: one printable line, bounded."""
+    text = "".join(c if c.isprintable() else " " for c in reason[: MAX_ERROR_CHARS * 2])
+    return " ".join(text.split())[:MAX_ERROR_CHARS] or "the adapter cannot be used"
 
 
 @dataclass(frozen=True)
@@ -311,6 +445,17 @@ def storage_usage(session: Session, tenant_id: uuid.UUID) -> StorageUsagePublic:
         bytes=usage.bytes if usage else 0,
         max_storage_bytes=quota.max_storage_bytes,
     )
+
+
+def failed_holdings(session: Session, tenant_id: uuid.UUID) -> tuple[int, int]:
+    """How many of the tenant's adapters are failed, and the bytes they hold: room an upload that
+    replaces one of them gets back."""
+    count, size = session.execute(
+        select(func.count(), func.coalesce(func.sum(Adapter.bytes), 0)).where(
+            Adapter.tenant_id == tenant_id, Adapter.status == AdapterStatus.FAILED
+        )
+    ).one()
+    return int(count), int(size)
 
 
 def _query(tenant_id: uuid.UUID) -> Select[Adapter]:

@@ -6,7 +6,7 @@ import uuid
 
 from sqlalchemy.orm import Session
 
-from .adapters import storage_usage
+from .adapters import failed_holdings, storage_usage
 from .errors import Forbidden
 from .tenants import quota_of
 
@@ -16,11 +16,13 @@ def upload_byte_limit(session: Session, tenant_id: uuid.UUID, upload_limit: int)
     what is left of its storage quota, whichever is least. Refuses a tenant with no room left.
 
     A cheap early refusal, so an over-quota tenant's body is never read; `adapters.upload_adapter`
-    enforces the same quotas again, atomically, when it keeps the adapter.
+    enforces the same quotas again, atomically, when it keeps the adapter. The upload may replace one of
+    the tenant's failed adapters (its name is in the body, not read yet), so what they hold counts as room.
     """
     quota = quota_of(session, tenant_id)
     usage = storage_usage(session, tenant_id)
-    if usage.max_adapters is not None and usage.adapters >= usage.max_adapters:
+    failed_count, failed_bytes = failed_holdings(session, tenant_id)
+    if usage.max_adapters is not None and usage.adapters - failed_count >= usage.max_adapters:
         raise Forbidden(
             f"this tenant already has its quota of {usage.max_adapters} adapters (max_adapters); "
             "delete one first"
@@ -29,7 +31,7 @@ def upload_byte_limit(session: Session, tenant_id: uuid.UUID, upload_limit: int)
     if quota.max_adapter_bytes is not None:
         limit = min(limit, quota.max_adapter_bytes)
     if usage.max_storage_bytes is not None:
-        left = usage.max_storage_bytes - usage.bytes
+        left = usage.max_storage_bytes - usage.bytes + failed_bytes
         if left <= 0:
             raise Forbidden(
                 "this tenant's adapters fill its storage quota (max_storage_bytes "

@@ -1,4 +1,4 @@
-"""Tenant: upload, list and delete adapters."""
+"""Tenant: upload, list and delete adapters (a delete reaches the engines: services/engine_sync.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pydantic import StringConstraints, TypeAdapter, ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from ...schemas import PRINTABLE, AdapterPublic, Name
-from ...services import adapters, multipart, upload_quota
+from ...services import adapters, engine_sync, multipart, upload_quota
 from ..deps import CurrentTenant, SessionDep, SettingsDep
 
 router = APIRouter(prefix="/api/v1/adapters", tags=["adapters"])
@@ -125,3 +125,4 @@ def delete_adapter(
     name: AdapterName, request: Request, session: SessionDep, principal: CurrentTenant
 ) -> None:
     adapters.delete_adapter(session, principal.tenant_id, name, request.app.state.store)
+    engine_sync.wake(request.app)  # engines forget it soon; this request does not wait for them

@@ -1,0 +1,254 @@
+"""Engines forget deleted adapters: each engine replica's registrations are made to match the database.
+
+The gateway registers an adapter on an engine lazily, under `id:<adapter id>` (loraplex.wire), the first
+time it routes a request there; the engine keeps that registration, its pool pages and its host-memory
+copy until told otherwise. Nothing is told at delete time alone, because that cannot be made reliable: a
+replica may be down, restarting or unreachable at that moment, a pod may be scheduled a moment later with
+an older view, and the control-plane replica that took the delete may die before it calls anyone. So
+deletion is a reconciliation instead: `sync_once` lists each replica's registrations (GET
+/internal/adapters) and unregisters every gateway name whose adapter the database no longer has ready
+(deleted, replaced, or failed). The database is the only state; any control-plane replica can run it, a
+missed pass loses nothing, and a replica that was away is cleaned on the first pass after it is back.
+
+`EngineSync` runs that pass every `engine_sync_interval_s`, and at once when woken: a delete wakes it, so
+a healthy engine forgets the adapter within moments while the deleting request never waits for an engine.
+It also fails uploads interrupted long ago (services/adapters.py): both repair the world from the database
+on the same clock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+from starlette.concurrency import run_in_threadpool
+
+from loraplex import wire
+
+from ..db.models import Adapter, AdapterStatus, Deployment
+from ..db.session import Database
+from . import adapters
+from .routing import Router
+
+log = logging.getLogger("loraplex.web.engine_sync")
+
+# Replicas asked at once in one pass: enough for a large fleet, few enough not to swamp the control plane.
+PARALLEL_REPLICAS = 16
+# A registration list longer than this is not an engine's (one entry per adapter it has been sent).
+MAX_LISTED = 100_000
+
+
+@dataclass
+class SyncReport:
+    """What one pass did: the replicas it reached and could not, and the names it unregistered."""
+
+    reached: list[str] = field(default_factory=list)
+    unreachable: dict[str, str] = field(default_factory=dict)  # replica URL -> why
+    unregistered: dict[str, list[str]] = field(default_factory=dict)  # replica URL -> engine names
+    pending: dict[str, list[str]] = field(default_factory=dict)  # names left for the next pass
+
+
+def all_replicas(session: Session, router: Router) -> list[str]:
+    """Every engine replica of every deployment, as routing sees them now (discovered pods included): an
+    adapter may have been routed to any replica of its deployment, and its deployment may have changed."""
+    endpoints = [list(e) for e in session.scalars(select(Deployment.endpoints))]
+    session.rollback()
+    seen: dict[str, None] = {}
+    for deployment_endpoints in endpoints:
+        for replica in router.replicas(deployment_endpoints):
+            seen.setdefault(replica.rstrip("/"), None)
+    return list(seen)
+
+
+def stale_names(session: Session, names: Iterable[str]) -> list[str]:
+    """The gateway names among `names` whose adapter is not ready in the database. Names that are not the
+    gateway's (adapters an engine was started with) are never touched."""
+    by_id: dict[uuid.UUID, str] = {}
+    stale: list[str] = []
+    for name in names:
+        if not wire.is_gateway_adapter(name):
+            continue
+        text = wire.adapter_id_of(name)
+        try:
+            by_id[uuid.UUID(text or "")] = name
+        except ValueError:  # not an id the gateway makes: nothing in the database can want it
+            stale.append(name)
+    if by_id:
+        ready = set(
+            session.scalars(
+                select(Adapter.id).where(Adapter.id.in_(list(by_id)), Adapter.status == AdapterStatus.READY)
+            )
+        )
+        session.rollback()
+        stale.extend(name for adapter_id, name in by_id.items() if adapter_id not in ready)
+    return sorted(stale)
+
+
+async def registrations(http: httpx.AsyncClient, replica: str, token: str, timeout: float) -> list[str]:
+    """The adapter names `replica` holds; httpx.HTTPError or ValueError when it cannot say."""
+    response = await http.get(
+        replica + wire.ADAPTERS_PATH, headers={wire.INTERNAL_TOKEN_HEADER: token}, timeout=timeout
+    )
+    response.raise_for_status()
+    data = response.json().get("data")
+    if not isinstance(data, list) or len(data) > MAX_LISTED:
+        raise ValueError(f"{replica}{wire.ADAPTERS_PATH} did not answer a list of adapters")
+    return [e["name"] for e in data if isinstance(e, dict) and isinstance(e.get("name"), str)]
+
+
+async def unregister(http: httpx.AsyncClient, replica: str, name: str, token: str, timeout: float) -> bool:
+    """Tell `replica` to forget `name`; whether it has (or never had it). False: try again next pass."""
+    response = await http.delete(
+        replica + wire.adapter_path(name), headers={wire.INTERNAL_TOKEN_HEADER: token}, timeout=timeout
+    )
+    if response.status_code == 404:  # gone already (another control-plane replica, or a restart)
+        return True
+    if response.is_success:
+        return True
+    error = wire.parse_error(response.content)
+    # adapter_in_use: an engine that refuses to unregister while requests run it; they end soon.
+    log.info(
+        "%s did not unregister %s yet (%s): %s",
+        replica,
+        name,
+        response.status_code,
+        error.message if error else response.text[:200],
+    )
+    return False
+
+
+async def sync_replica(
+    http: httpx.AsyncClient, db: Database, replica: str, token: str, timeout: float, report: SyncReport
+) -> None:
+    try:
+        # Listed before the database is read: an adapter made ready meanwhile is seen ready, so nothing
+        # the gateway may be routing is unregistered (and that would only cost a re-registration).
+        names = await registrations(http, replica, token, timeout)
+    except (httpx.HTTPError, ValueError) as exc:
+        report.unreachable[replica] = str(exc) or type(exc).__name__
+        return
+    report.reached.append(replica)
+    stale = await run_in_threadpool(_stale_names, db, names)
+    for name in stale:
+        try:
+            done = await unregister(http, replica, name, token, timeout)
+        except httpx.HTTPError as exc:
+            report.unreachable[replica] = str(exc) or type(exc).__name__
+            done = False
+        (report.unregistered if done else report.pending).setdefault(replica, []).append(name)
+
+
+def _stale_names(db: Database, names: list[str]) -> list[str]:
+    with db.session() as session:
+        return stale_names(session, names)
+
+
+def _replicas(db: Database, router: Router) -> list[str]:
+    with db.session() as session:
+        return all_replicas(session, router)
+
+
+async def sync_once(
+    http: httpx.AsyncClient, db: Database, router: Router, token: str, timeout: float
+) -> SyncReport:
+    """One pass over every replica: what each holds that the database no longer has ready, unregistered."""
+    report = SyncReport()
+    replicas = await run_in_threadpool(_replicas, db, router)
+    limit = asyncio.Semaphore(PARALLEL_REPLICAS)
+
+    async def one(replica: str) -> None:
+        async with limit:
+            await sync_replica(http, db, replica, token, timeout, report)
+
+    await asyncio.gather(*(one(r) for r in replicas))
+    for replica, names in report.unregistered.items():
+        log.info("unregistered %d deleted adapter(s) on %s", len(names), replica, extra={"names": names})
+    for replica, why in report.unreachable.items():
+        log.info("engine %s not synced now, retried next pass: %s", replica, why)
+    return report
+
+
+def _fail_interrupted(db: Database) -> int:
+    with db.session() as session:
+        return adapters.fail_interrupted_uploads(session)
+
+
+class EngineSync:
+    """`sync_once` every `interval_s` and whenever woken, in the app's event loop, until stopped."""
+
+    def __init__(
+        self,
+        http: httpx.AsyncClient,
+        db: Database,
+        router: Router,
+        token: str,
+        interval_s: float,
+        timeout_s: float,
+    ):
+        self.http, self.db, self.router, self.token = http, db, router, token
+        self.interval_s, self.timeout_s = interval_s, timeout_s
+        self.passes = 0  # completed passes (tests wait on it)
+        self.last: SyncReport | None = None
+        self._wake = asyncio.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._task = asyncio.create_task(self._run(), name="engine-sync")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    def wake(self) -> None:
+        """Run a pass now (soon after the current one, if one is running); from any thread."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return  # not started, or stopped: the next start's passes will see the database as it is
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+            loop.call_soon_threadsafe(self._wake.set)
+
+    async def _run(self) -> None:
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.interval_s)
+            self._wake.clear()
+            try:
+                await self.run_pass()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # never fatal: the next pass tries again
+                log.exception("engine sync pass failed")
+
+    async def run_pass(self) -> SyncReport:
+        failed = await run_in_threadpool(_fail_interrupted, self.db)
+        if failed:
+            log.warning("failed %d upload(s) interrupted before they were validated", failed)
+        report = await sync_once(self.http, self.db, self.router, self.token, self.timeout_s)
+        self.last = report
+        self.passes += 1
+        return report
+
+
+def engine_sync_of(app: Any) -> EngineSync | None:
+    """The app's EngineSync, once its lifespan started it."""
+    return getattr(app.state, "engine_sync", None)
+
+
+def wake(app: Any) -> None:
+    """After a delete: tell the engines soon (never waiting for them here)."""
+    sync = engine_sync_of(app)
+    if sync is not None:
+        sync.wake()
