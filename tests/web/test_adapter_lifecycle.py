@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import re
 import socket
 import threading
 import time
@@ -33,6 +34,7 @@ from tests.cluster.proxy import forward
 from tests.engine.server.conftest import TOKEN, Server, running_server
 
 from .conftest import ADMIN, FILES, SHAPE, Api, _admin_sql, _with_database, loose, make_settings, upload
+from .console_client import csrf_of, make_user, sign_in
 from .servers import serve
 
 DEMO = Path(__file__).resolve().parents[2] / "fixtures" / "adapters" / "demo-uppercase"
@@ -171,6 +173,28 @@ def test_the_sync_unregisters_only_gateway_names_whose_adapter_is_not_ready(
         assert stale_names(session, names) == sorted(
             [wire.adapter_name(failed), wire.adapter_name(deleted), "id:not-a-uuid"]
         )
+
+
+def test_the_console_shows_a_failed_adapter_with_its_reason_and_what_to_do(
+    client: TestClient, peft_dir: Path
+) -> None:
+    app = client.app
+    make_user(app, "ada@acme.test", tenant="acme")  # type: ignore[arg-type]
+    assert sign_in(client, "ada@acme.test").status_code == 303
+    Api(client).deployment("tiny", "tiny-llama", [], shape=SHAPE)
+    token = csrf_of(client.get("/console/adapters"))
+    refused = client.post(
+        "/console/adapters",
+        data={"name": "a1", "deployment": "tiny", "csrf_token": token},
+        files=[("files", (FILES[0], (peft_dir / FILES[0]).read_bytes(), "application/json"))],
+    )
+    assert refused.status_code == 422
+    row = re.search(r'<tr data-adapter="a1">.*?</tr>', client.get("/console/adapters").text, re.S)
+    assert row is not None
+    assert 'badge-failed">failed<' in row.group(0) and "adapter_model.safetensors is missing" in row.group(0)
+    assert "Upload it again under this name to replace it." in row.group(0)
+    assert "/console/playground?model=a1" not in row.group(0)  # nothing to try
+    assert client.get("/console/adapters/status").json() == {"a1": "failed"}
 
 
 def test_a_delete_never_waits_for_an_engine_that_does_not_answer(

@@ -130,7 +130,8 @@ function setUpStatusPolling() {
     try {
       const response = await fetch(section.dataset.pollStatus, { headers: { Accept: "application/json" } });
       const statuses = await response.json();
-      if (!Object.values(statuses).includes("validating")) {
+      const inProgress = Object.values(statuses).some((s) => s === "uploaded" || s === "validating");
+      if (!inProgress) {
         window.location.reload();
         return;
       }
