@@ -101,8 +101,8 @@ class StrictApiServer(kmock.KubernetesEmulator):
         )
 
     def _record_call(self, request: rendering.Request) -> None:
-        if request.resource is None or request.action not in RBAC_VERBS:
-            return
+        if request.resource is None or not request.resource.plural or request.action not in RBAC_VERBS:
+            return  # API discovery (/apis/GROUP/VERSION) is a non-resource URL every account may read
         resource = str(request.resource.plural or "")
         if request.subresource:
             resource = f"{resource}/{request.subresource}"
