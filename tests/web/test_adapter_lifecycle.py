@@ -34,7 +34,7 @@ from tests.cluster.proxy import forward
 from tests.engine.server.conftest import TOKEN, Server, running_server
 
 from .conftest import ADMIN, FILES, SHAPE, Api, _admin_sql, _with_database, loose, make_settings, upload
-from .console_client import csrf_of, make_user, sign_in
+from .console_client import CSRF, make_user, sign_in
 from .servers import serve
 
 DEMO = Path(__file__).resolve().parents[2] / "fixtures" / "adapters" / "demo-uppercase"
@@ -182,7 +182,7 @@ def test_the_console_shows_a_failed_adapter_with_its_reason_and_what_to_do(
     make_user(app, "ada@acme.test", tenant="acme")  # type: ignore[arg-type]
     assert sign_in(client, "ada@acme.test").status_code == 303
     Api(client).deployment("tiny", "tiny-llama", [], shape=SHAPE)
-    token = csrf_of(client.get("/console/adapters"))
+    token = CSRF.findall(client.get("/console/adapters").text)[0]
     refused = client.post(
         "/console/adapters",
         data={"name": "a1", "deployment": "tiny", "csrf_token": token},

@@ -4,9 +4,11 @@ import io
 import json
 import tarfile
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from .conftest import FILES, SHAPE, Api, loose, upload
@@ -192,7 +194,7 @@ def test_oversized_uploads_are_refused(
     assert stored(client) == [] and client.get("/api/v1/adapters", headers=tenant).json() == []
 
 
-def test_request_body_cap(api: Api, app_factory, db_url: str, peft_dir: Path) -> None:  # type: ignore[no-untyped-def]
+def test_request_body_cap(api: Api, app_factory: Callable[..., FastAPI], db_url: str, peft_dir: Path) -> None:
     with TestClient(app_factory(db_url, max_upload_bytes=4096)) as small:
         helper = Api(small)
         helper.deployment("tiny", "tiny-llama", ["http://127.0.0.1:9"], shape=SHAPE)
