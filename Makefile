@@ -76,7 +76,7 @@ lint: install-dev
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/hadolint --config .hadolint.yaml images/*.Dockerfile
 	mkdir -p $(MYPY_TREE)/loraplex
-	for d in engine adapters operator web cli bench; do ln -sfn "$(CURDIR)/$$d" "$(MYPY_TREE)/loraplex/$$d"; done
+	for d in engine adapters operator web cli bench wire; do ln -sfn "$(CURDIR)/$$d" "$(MYPY_TREE)/loraplex/$$d"; done
 	cd $(MYPY_TREE) && "$(CURDIR)/$(PY)" -m mypy --config-file "$(CURDIR)/pyproject.toml" -p loraplex
 
 # The container images the chart and the operator run (images/*.Dockerfile; docs/development.md "Images").

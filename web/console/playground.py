@@ -1,7 +1,7 @@
 """The playground: chat with the base model or one of the tenant's adapters, tokens streaming in.
 
-It goes through the gateway's own proxy (`api.routes.gateway`), with the signed-in user's tenant as
-the principal: the same model resolution, quotas, adapter routing, streaming relay and usage record
+It calls the gateway's completion service (web/services/completions.py), with the signed-in user's tenant
+as the principal: the same model resolution, quotas, adapter routing, streaming relay and usage record
 as `/v1/chat/completions` — only authenticated by the console session (plus its CSRF token) instead
 of an API key, so the browser never holds a key. Its usage rows have no key (`api_key_id` is empty).
 
@@ -20,15 +20,16 @@ from fastapi.responses import Response
 from pydantic import BaseModel, Field, ValidationError
 
 from ..api.deps import SessionDep
-from ..api.routes.gateway import OpenAIError
-from ..api.routes.gateway import proxy as gateway_proxy
+from ..api.openai_http import engine_refused, refused, respond
 from ..services import gateway
+from ..services.completions import EngineRefused, Gateway, Refused
 from ..services.keys import Principal
 from ..services.users import UserView
 from .rendering import render
 from .security import Member, verify_csrf
 
 router = APIRouter(tags=["console"], include_in_schema=False, dependencies=[Depends(verify_csrf)])
+CHAT = "chat/completions"  # the gateway endpoint the playground talks to
 
 
 class Message(BaseModel):
@@ -86,7 +87,14 @@ def playground_page(request: Request, session: SessionDep, user: Member) -> Resp
 @router.post("/console/playground/stream", response_model=None)
 async def playground_stream(body: PlaygroundChat, request: Request, user: Member) -> Response:
     """Server-sent events exactly as the gateway relays them (OpenAI chat.completion.chunk objects)."""
-    return await gateway_proxy(request, principal_of(user), body.openai_body(stream=True), "chat/completions")
+    gateway_service = Gateway.of(request.app.state)
+    try:
+        stream = await gateway_service.stream(principal_of(user), body.openai_body(stream=True), CHAT)
+    except Refused as exc:
+        raise refused(exc) from None
+    except EngineRefused as exc:
+        return engine_refused(exc)
+    return respond(stream)
 
 
 @router.post("/console/playground")
@@ -123,19 +131,15 @@ async def playground_post(
         chat, error = None, "Choose a model, write a message, and keep the parameters within their ranges."
     if chat is not None:
         try:
-            answer = await gateway_proxy(
-                request, principal_of(user), chat.openai_body(stream=False), "chat/completions"
+            answer = await Gateway.of(request.app.state).complete(
+                principal_of(user), chat.openai_body(stream=False), CHAT
             )
-            reply = json.loads(bytes(answer.body))
-            if answer.status_code >= 400:
-                error = str(
-                    reply.get("error", {}).get("message", f"the engine answered {answer.status_code}")
-                )
-            else:
-                content = reply["choices"][0]["message"]["content"] or ""
-                conversation.append(Message(role="assistant", content=content))
-        except OpenAIError as exc:
-            error = exc.message
+            content = answer.json()["choices"][0]["message"]["content"] or ""
+            conversation.append(Message(role="assistant", content=content))
+        except Refused as exc:
+            error = exc.error.message
+        except EngineRefused as exc:
+            error = str(exc)  # the engine's own message, or the status it answered
         except (ValueError, KeyError, IndexError, TypeError):
             error = "The engine's answer could not be read."
 

@@ -1,4 +1,5 @@
-"""The gateway's logic, free of HTTP: which engine serves a `model`, what to reserve, what was used."""
+"""The gateway's parts, free of HTTP: which engine serves a `model`, what a body may hold, what to reserve,
+what was used, and the engine's verdict on an adapter. completions.py puts them together per request."""
 
 from __future__ import annotations
 
@@ -11,12 +12,11 @@ from typing import Any
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
+from loraplex import wire
 from loraplex.engine.server import limits
 
 from ..db.models import Adapter, AdapterStatus, Deployment
 from .adapters import find_adapter
-
-INTERNAL_TOKEN_HEADER = "X-Loraplex-Internal-Token"
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,13 @@ class Target:
     @property
     def affinity_key(self) -> str | None:
         return f"adapter:{self.adapter_sha256}" if self.adapter_sha256 else None
+
+    @property
+    def adapter(self) -> wire.AdapterRef | None:
+        """The adapter as the engine is told of it (None: the base model alone)."""
+        if self.adapter_id is None:
+            return None
+        return wire.AdapterRef(str(self.adapter_id), self.adapter_uri or "", self.adapter_sha256)
 
 
 def resolve(session: Session, tenant_id: uuid.UUID, model: str) -> Target | None:
@@ -85,12 +92,7 @@ def _model(name: str, created: Any, owner: str) -> dict[str, Any]:
 
 
 def upstream_headers(target: Target, tenant_id: uuid.UUID, internal_token: str) -> dict[str, str]:
-    headers = {INTERNAL_TOKEN_HEADER: internal_token, "X-Loraplex-Tenant": str(tenant_id)}
-    if target.adapter_id is not None:
-        headers["X-Loraplex-Adapter-Id"] = str(target.adapter_id)
-        headers["X-Loraplex-Adapter-Uri"] = target.adapter_uri or ""
-        headers["X-Loraplex-Adapter-Sha256"] = target.adapter_sha256 or ""
-    return headers
+    return wire.request_headers(internal_token, str(tenant_id), target.adapter)
 
 
 # -- what a tenant's request body may hold --------------------------------------------------------------
@@ -126,9 +128,8 @@ def parse_body(raw: bytes, limit: int = MAX_REQUEST_BODY_BYTES) -> dict[str, Any
     """The JSON object a tenant sent, refusing what Python's json would let through: NaN, Infinity,
     numbers that overflow to inf, nesting deep enough to recurse out, and bodies over `limit` bytes."""
     if len(raw) > limit:
-        raise BadRequest(
-            None, f"request body is {len(raw)} bytes; at most {limit} are allowed", 413, "request_too_large"
-        )
+        too_large = f"request body is {len(raw)} bytes; at most {limit} are allowed"
+        raise BadRequest(None, too_large, 413, wire.REQUEST_TOO_LARGE)
     try:
         body = json.loads(raw, parse_constant=_refuse_constant, parse_float=_finite_float)
     except RecursionError:
@@ -254,7 +255,7 @@ class Meter:
     prompt_estimate: int
     usage: dict[str, int] | None = None
     chunks: int = 0
-    error: dict[str, Any] | None = None
+    error: wire.WireError | None = None
     _pending: bytes = field(default=b"", repr=False)
 
     def feed(self, data: bytes) -> None:
@@ -277,8 +278,9 @@ class Meter:
                 self._count(event)
 
     def _count(self, event: dict[str, Any]) -> None:
-        if isinstance(event.get("error"), dict):
-            self.error = event["error"]
+        error = wire.WireError.from_body(event)
+        if error is not None:
+            self.error = error
         usage = event.get("usage")
         if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
             self.usage = usage
@@ -310,27 +312,13 @@ def usage_of_body(content: bytes) -> dict[str, int] | None:
     return usage
 
 
-# -- the engine's verdict on an adapter ------------------------------------------------------------------
-
-ADAPTER_FAILED = "adapter_failed"  # the adapter is at fault: marked failed, 422
-ADAPTER_UNAVAILABLE = "adapter_unavailable"  # the store is unreachable: nothing marked, 503
+# -- the engine's verdict on an adapter (wire.ADAPTER_FAILED: marked failed; ADAPTER_UNAVAILABLE: not) ------
 
 
-def engine_error(content: bytes) -> dict[str, Any] | None:
-    """The `error` object of an engine's OpenAI error body, if it is one."""
-    try:
-        error = json.loads(content).get("error")
-    except (ValueError, AttributeError, RecursionError):
-        return None
-    return error if isinstance(error, dict) else None
-
-
-def adapter_error_text(error: dict[str, Any]) -> str:
+def adapter_error_text(error: wire.WireError) -> str:
     """The engine's reason, as kept on the adapter row: one printable line of bounded length."""
-    message = error.get("message")
-    text = (
-        message if isinstance(message, str) and message.strip() else "the engine could not use this adapter"
-    )
+    message = error.message
+    text = message if message.strip() else "the engine could not use this adapter"
     text = "".join(c if c.isprintable() else " " for c in text[: MAX_ADAPTER_ERROR_CHARS * 2])
     return " ".join(text.split())[:MAX_ADAPTER_ERROR_CHARS]
 

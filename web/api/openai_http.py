@@ -1,0 +1,106 @@
+"""The gateway's answers over HTTP, in OpenAI's shapes: its errors, and the completion service's results as
+responses. The gateway's route and the console's playground both answer through it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exception_handlers import request_validation_exception_handler
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from loraplex import wire
+
+from ..services.completions import Completion, CompletionStream, EngineRefused, Refused
+
+
+class OpenAIError(Exception):
+    """Answered as OpenAI's error JSON (wire.WireError) with `status` and `headers`."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        kind: str,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+        param: str | None = None,
+    ):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.code, self.headers = status, message, kind, code, headers
+        self.param = param
+
+
+def _error_response(
+    status: int, message: str, kind: str, code: str | None = None, param: str | None = None, **kw: Any
+) -> JSONResponse:
+    return JSONResponse(wire.error_body(message, kind, code, param), status_code=status, **kw)
+
+
+async def _openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
+    return _error_response(exc.status, exc.message, exc.kind, exc.code, exc.param, headers=exc.headers)
+
+
+def field_of(error: Any) -> str:
+    """The dotted field a pydantic error names, without the `body` root."""
+    return ".".join(str(p) for p in error.get("loc", ()) if p != "body")
+
+
+async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
+    if request.url.path.startswith("/v1/"):
+        first = exc.errors()[0] if exc.errors() else {"msg": "invalid request", "loc": ()}
+        where = field_of(first)
+        return _error_response(400, f"{where}: {first.get('msg')}", wire.INVALID_REQUEST, param=where)
+    return await request_validation_exception_handler(request, exc)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(OpenAIError, _openai_error)  # type: ignore[arg-type]
+    app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
+
+
+def _retry_headers(retry_after: int | None) -> dict[str, str] | None:
+    return {"Retry-After": str(retry_after)} if retry_after is not None else None
+
+
+def refused(exc: Refused) -> OpenAIError:
+    """The gateway's verdict as the error the app's handler answers."""
+    error = exc.error
+    return OpenAIError(
+        exc.status, error.message, error.type, error.code, _retry_headers(exc.retry_after), error.param
+    )
+
+
+def engine_refused(exc: EngineRefused) -> Response:
+    """The engine's error answer, its bytes unchanged, under the status the gateway gives it."""
+    headers = _retry_headers(exc.retry_after)
+    return Response(exc.content, status_code=exc.status, media_type=exc.media_type, headers=headers)
+
+
+def completion(result: Completion) -> Response:
+    return Response(result.content, status_code=result.status, media_type=result.media_type)
+
+
+class Relay(StreamingResponse):
+    """A completion stream passed on chunk by chunk as it arrives; closed (and so settled) when the
+    response ends, however it ends: done, engine gone, client gone, or cancelled."""
+
+    def __init__(self, stream: CompletionStream):
+        self.stream = stream
+        super().__init__(
+            stream,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.stream.close()
+
+
+def respond(result: Completion | CompletionStream) -> Response:
+    return Relay(result) if isinstance(result, CompletionStream) else completion(result)

@@ -1,0 +1,298 @@
+"""The gateway's completions, free of HTTP: one tenant's OpenAI request, from its body to its usage record.
+
+`Gateway.create` checks the body against the engine's caps, resolves `model` to an adapter or a base model,
+admits the request against the tenant's quotas, sends it to the replica that holds the adapter (the next one
+when a replica refuses the connection), and accounts it when it ends, however it ends. What it returns is
+a domain result, never an HTTP response:
+- `Completion`: the engine's whole answer (its JSON bytes, as the engine wrote them);
+- `CompletionStream`: the engine's server-sent events as they arrive; closing it settles the request;
+- `Refused`: the gateway's own verdict, in OpenAI's error terms (unknown model, a quota, no replica...);
+- `EngineRefused`: the engine's error answer before it generated anything, passed on as it said, under
+  the status the wire contract gives its code (an adapter at fault is marked failed).
+The route (web/api/routes/gateway.py) and the console's playground both call it, so they account alike.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import httpx
+from fastapi.concurrency import run_in_threadpool
+
+from loraplex import wire
+
+from ..db.session import Database
+from . import gateway, metering, quotas
+from .errors import QuotaExceeded
+from .keys import Principal
+from .routing import Router
+
+log = logging.getLogger("loraplex.web.gateway")
+
+# Seconds a client is told to wait when no replica (or the adapter store behind one) can serve it now.
+RETRY_AFTER_S = 5
+
+# Sent in place of the rest of a stream the engine broke off, so a client knows it ended early.
+_BROKE_OFF = wire.WireError(
+    "the engine stream broke off; the tokens sent so far are counted", wire.SERVER_ERROR, wire.ENGINE_ERROR
+)
+ENGINE_BROKE_OFF = f"data: {json.dumps(_BROKE_OFF.body())}\n\n".encode()
+
+
+class Refused(Exception):
+    """The gateway did not serve the request: `status` and `error` are what the tenant is told."""
+
+    def __init__(self, status: int, error: wire.WireError, retry_after: int | None = None):
+        super().__init__(error.message)
+        self.status, self.error, self.retry_after = status, error, retry_after
+
+
+class EngineRefused(Exception):
+    """The engine answered an error before it generated anything: `content` is its answer, unchanged."""
+
+    def __init__(
+        self,
+        status: int,
+        content: bytes,
+        media_type: str,
+        error: wire.WireError | None,
+        retry_after: int | None = None,
+    ):
+        super().__init__(
+            error.message if error is not None and error.message else f"the engine answered {status}"
+        )
+        self.status, self.content, self.media_type = status, content, media_type
+        self.error, self.retry_after = error, retry_after
+
+
+def bad_request(exc: gateway.BadRequest) -> Refused:
+    return Refused(exc.status, wire.WireError(exc.message, wire.INVALID_REQUEST, exc.code, exc.param))
+
+
+@dataclass(frozen=True)
+class Completion:
+    """A finished completion: the engine's JSON answer as it sent it."""
+
+    content: bytes
+    status: int
+    media_type: str
+
+    def json(self) -> dict[str, Any]:
+        """The answer parsed; ValueError when it is not a JSON object."""
+        answer = json.loads(self.content)
+        if not isinstance(answer, dict):
+            raise ValueError("the engine's answer is not a JSON object")
+        return answer
+
+
+class CompletionStream:
+    """The engine's SSE bytes as they arrive (nothing buffered), metered as they pass. Whoever takes a
+    stream must `close()` it: that settles the request exactly once, however the stream ended (done, the
+    engine gone, the reader gone, cancelled)."""
+
+    def __init__(self, upstream: httpx.Response, call: metering.Call, meter: gateway.Meter):
+        self.upstream, self.call, self.meter = upstream, call, meter
+        self.status = "client_disconnected"  # until the engine's stream is read to its end
+
+    def __aiter__(self) -> AsyncIterator[bytes]:
+        return self._chunks()
+
+    async def _chunks(self) -> AsyncIterator[bytes]:
+        counted = 0
+        try:
+            async for chunk in self.upstream.aiter_raw():
+                self.meter.feed(chunk)
+                self.call.produce(self.meter.chunks - counted)
+                counted = self.meter.chunks
+                yield chunk
+            self.status = "ok"
+        except httpx.HTTPError:
+            self.status = wire.ENGINE_ERROR
+            yield ENGINE_BROKE_OFF
+
+    async def close(self) -> None:
+        # Shielded: a cancelled reader must still release the connection and settle its reservation.
+        with anyio.CancelScope(shield=True):
+            await self.upstream.aclose()
+            await self._settle()
+
+    async def _settle(self) -> None:
+        prompt, completion, exact = self.meter.totals()
+        status = self.status
+        error = self.meter.error
+        if error is not None and error.code == wire.ADAPTER_FAILED and self.call.target.adapter_sha256:
+            self.call.adapter_error = gateway.adapter_error_text(error)
+            status = wire.ADAPTER_FAILED
+        elif status == "ok" and not exact:
+            status = "ok_estimated"
+        await self.call.finish(status, prompt, completion, exact)
+
+
+@dataclass(frozen=True)
+class Gateway:
+    """What serving a completion needs: the database, the pooled client for the engines, the replica
+    router, the engines' internal token, the default completion limit, and the clock quotas count by."""
+
+    db: Database
+    http: httpx.AsyncClient
+    router: Router
+    engine_token: str
+    default_max_tokens: int
+    clock: Callable[[], float] = time.time
+
+    @classmethod
+    def of(cls, state: Any) -> Gateway:
+        """The gateway of an app, from what create_app keeps on its state (a test may set `clock`)."""
+        return cls(
+            db=state.db,
+            http=state.http,
+            router=state.router,
+            engine_token=state.engine_token,
+            default_max_tokens=state.settings.default_max_tokens,
+            clock=getattr(state, "clock", time.time),
+        )
+
+    async def complete(self, principal: Principal, body: dict[str, Any], endpoint: str) -> Completion:
+        result = await self.create(principal, {**body, "stream": False}, endpoint)
+        assert isinstance(result, Completion)
+        return result
+
+    async def stream(self, principal: Principal, body: dict[str, Any], endpoint: str) -> CompletionStream:
+        result = await self.create(principal, {**body, "stream": True}, endpoint)
+        assert isinstance(result, CompletionStream)
+        return result
+
+    async def create(
+        self, principal: Principal, body: dict[str, Any], endpoint: str
+    ) -> Completion | CompletionStream:
+        """Serve one OpenAI request for `principal` on `endpoint` ("completions" or "chat/completions"):
+        a stream when the body asks for one. Raises Refused or EngineRefused; settles the request's
+        reservation however it ends before a stream is handed over."""
+        try:
+            gateway.check_caps(body, endpoint)
+        except gateway.BadRequest as exc:
+            raise bad_request(exc) from None
+        model = body["model"]
+        target = await run_in_threadpool(self._resolve, principal, model)
+        if target is None:  # another tenant's adapter reads exactly like a missing one
+            missing = f"The model `{model}` does not exist."
+            raise Refused(404, wire.WireError(missing, wire.INVALID_REQUEST, wire.MODEL_NOT_FOUND))
+        streaming = bool(body.get("stream"))
+        if streaming:  # the final chunk then carries the engine's exact usage
+            options = body.get("stream_options")
+            body["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
+        limit = gateway.set_completion_limit(body, endpoint, self.default_max_tokens)
+        content = json.dumps(body, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
+        if len(content) > gateway.MAX_REQUEST_BODY_BYTES:
+            raise bad_request(
+                gateway.BadRequest(None, "request body is too large to forward", 413, wire.REQUEST_TOO_LARGE)
+            )
+        prompt_estimate = gateway.estimate_tokens(gateway.prompt_text(body))
+
+        call = metering.Call(self.db, principal, target, endpoint, self.clock)
+        try:
+            await run_in_threadpool(call.admit, prompt_estimate, limit)
+        except QuotaExceeded as exc:
+            error = wire.WireError(exc.message, wire.RATE_LIMITED, wire.RATE_LIMIT_EXCEEDED)
+            raise Refused(429, error, exc.retry_after) from None
+        except quotas.TooLargeForQuota as exc:
+            error = wire.WireError(exc.message, wire.INVALID_REQUEST, wire.REQUEST_TOO_LARGE, "max_tokens")
+            raise Refused(400, error) from None
+        call.start_ticker()
+        try:
+            return await self._forward(call, endpoint, content, streaming, prompt_estimate)
+        except BaseException:
+            # Refused, failed or cancelled before a stream took the call over: settle it here (a no-op
+            # when it was already settled), so the reservation is never left standing.
+            await call.finish("client_disconnected", prompt_estimate, 0, False)
+            raise
+
+    def _resolve(self, principal: Principal, model: str) -> gateway.Target | None:
+        with self.db.session() as session:
+            return gateway.resolve(session, principal.tenant_id, model)
+
+    async def _forward(
+        self, call: metering.Call, endpoint: str, content: bytes, streaming: bool, prompt_estimate: int
+    ) -> Completion | CompletionStream:
+        target = call.target
+        headers = gateway.upstream_headers(target, call.principal.tenant_id, self.engine_token)
+        try:
+            upstream = await self._open(target, endpoint, content, headers)
+        except httpx.TimeoutException:
+            await call.finish("engine_timeout", 0, 0, True)
+            raise _engine_timeout() from None
+        except httpx.HTTPError:
+            await call.finish("no_replica", 0, 0, True)
+            error = wire.WireError(
+                f"No engine replica of {target.base_model} is reachable; retry later.", wire.SERVER_ERROR
+            )
+            raise Refused(503, error, RETRY_AFTER_S) from None
+
+        if upstream.status_code < 400 and streaming:
+            return CompletionStream(upstream, call, gateway.Meter(prompt_estimate))
+        try:
+            answer = await upstream.aread()
+        except httpx.TimeoutException:
+            await call.finish("engine_timeout", prompt_estimate, 0, False)
+            raise _engine_timeout() from None
+        except httpx.HTTPError:
+            await call.finish(wire.ENGINE_ERROR, prompt_estimate, 0, False)
+            error = wire.WireError("The engine's answer broke off; retry later.", wire.SERVER_ERROR)
+            raise Refused(502, error) from None
+        finally:
+            await upstream.aclose()
+        media = upstream.headers.get("content-type", "application/json")
+        if upstream.status_code >= 400:
+            raise await _engine_refused(call, upstream.status_code, answer, media)
+        counted = gateway.usage_of_body(answer)
+        if counted is not None:
+            await call.finish("ok", counted["prompt_tokens"], counted["completion_tokens"], True, True)
+        else:
+            await call.finish("ok_estimated", prompt_estimate, 0, False, True)
+        return Completion(answer, upstream.status_code, media)
+
+    async def _open(
+        self, target: gateway.Target, endpoint: str, content: bytes, headers: dict[str, str]
+    ) -> httpx.Response:
+        """Send to the preferred replica for the adapter; on a refused connection, the next one."""
+        last: httpx.HTTPError = httpx.ConnectError("the deployment has no endpoints")
+        headers = {**headers, "Content-Type": "application/json"}
+        for replica in self.router.order(target.affinity_key, target.endpoints):
+            request = self.http.build_request(
+                "POST", f"{replica}/v1/{endpoint}", content=content, headers=headers
+            )
+            try:
+                response = await self.http.send(request, stream=True)
+            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+                log.warning("engine replica unreachable", extra={"replica": replica})
+                self.router.mark_down(replica)
+                last = exc
+                continue
+            self.router.mark_up(replica)
+            return response
+        raise last
+
+
+def _engine_timeout() -> Refused:
+    return Refused(504, wire.WireError("The engine did not answer in time; retry later.", wire.SERVER_ERROR))
+
+
+async def _engine_refused(call: metering.Call, status: int, answer: bytes, media: str) -> EngineRefused:
+    """The engine's error answer, settled: nothing was produced. An adapter at fault is marked failed
+    (422); a store the engine cannot reach is the platform's trouble (503), not the adapter's; anything
+    else goes back as the engine said it."""
+    error = wire.parse_error(answer)
+    told, retry_after = status, None
+    if error is not None and error.code == wire.ADAPTER_FAILED and call.target.adapter_sha256:
+        call.adapter_error = gateway.adapter_error_text(error)
+        told = wire.ADAPTER_FAILED_STATUS
+    elif error is not None and error.code == wire.ADAPTER_UNAVAILABLE:
+        told, retry_after = wire.ADAPTER_UNAVAILABLE_STATUS, RETRY_AFTER_S
+    await call.finish(f"engine_{status}", 0, 0, True)
+    return EngineRefused(told, answer, media, error, retry_after)
