@@ -17,7 +17,7 @@ import anyio
 from fastapi.concurrency import run_in_threadpool
 
 from ..db.session import Database
-from . import gateway, quotas, usage
+from . import adapters, gateway, quotas, usage
 from .keys import Principal
 from .tenants import quota_of
 
@@ -124,7 +124,7 @@ class Call:
         try:
             with self.db.session() as session:
                 if self.adapter_error is not None and self.target.adapter_sha256:
-                    gateway.mark_adapter_failed(session, self.target.adapter_sha256, self.adapter_error)
+                    adapters.mark_failed(session, self.target.adapter_sha256, self.adapter_error)
                 usage.record(
                     session,
                     usage.Usage(
