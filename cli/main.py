@@ -6,22 +6,27 @@ import argparse
 import logging
 import sys
 from collections.abc import Sequence
+from typing import Any, NoReturn
+
+# The options' declarations (no torch, no FastAPI): every engine and server flag is built from them.
+from loraplex.engine.config import ENGINE_OPTIONS, EngineConfig
+from loraplex.engine.options import add_arguments, values_given
+from loraplex.engine.server.settings import ALL_OPTIONS, SERVER_OPTIONS, ServerSettings
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from loraplex.engine import EngineConfig, LLMEngine, SamplingParams
+    from loraplex.engine import LLMEngine, SamplingParams
     from loraplex.engine.model.errors import ModelLoadError
 
     try:
-        engine = LLMEngine(
-            EngineConfig(model=args.model, device=args.device, dtype=args.dtype, seed=args.seed)
-        )
+        config = EngineConfig(**values_given(args, ENGINE_OPTIONS))
+        engine = LLMEngine(config)
         params = SamplingParams(
             max_tokens=args.max_tokens,
             temperature=args.temperature,
             top_p=args.top_p,
             top_k=args.top_k,
-            seed=args.seed,
+            seed=config.seed,
             stop=tuple(args.stop or ()),
         )
         adapter = None
@@ -50,36 +55,28 @@ def _serve(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
     from loraplex.engine.server.serve import report_fatal, run_server
-    from loraplex.engine.server.settings import ServerSettings
 
-    flags = {
-        "model": args.model,
-        "host": args.host,
-        "port": args.port,
-        "device": args.device,
-        "dtype": args.dtype,
-        "served_model_name": args.served_model_name,
-        "num_pages": args.num_pages,
-        "max_num_seqs": args.max_num_seqs,
-        "max_model_len": args.max_model_len,
-        "max_queue": args.max_queue,
-        "adapters": args.adapter,
-    }
+    flags = values_given(args, ALL_OPTIONS)
+    if args.adapter is not None:
+        flags["adapters"] = args.adapter
     try:
         # Flags given on the command line win; the rest come from LORAPLEX_* variables, then defaults.
-        settings = ServerSettings(**{k: v for k, v in flags.items() if v is not None})
-    except ValidationError as exc:  # one line per problem, naming the option: "model: ..."
-        problems = [
-            f"{'.'.join(str(p) for p in e['loc']) or 'settings'}: "
-            + str(e["msg"]).removeprefix("Value error, ")
-            for e in exc.errors()
-        ]
+        settings = ServerSettings(**flags)
+    except ValidationError as exc:  # one line per problem, naming the option: "adapters: ..."
+        problems = [_problem(e) for e in exc.errors()]
         report_fatal(f"loraplex serve: {'; '.join(problems)}")
         return 2
-    except ValueError as exc:
+    except ValueError as exc:  # a LORAPLEX_* variable with a value its option refuses
         report_fatal(f"loraplex serve: {exc}")
         return 2
     return run_server(settings)
+
+
+def _problem(error: Any) -> str:
+    message = str(error["msg"]).removeprefix("Value error, ")
+    field = ".".join(str(p) for p in error["loc"])
+    # An option's refusal names it already ("max_num_seqs must be ..."); other errors get the field's name.
+    return message if not field or message.startswith(f"{field} ") else f"{field}: {message}"
 
 
 def _operator(args: argparse.Namespace) -> int:
@@ -97,60 +94,73 @@ def _operator(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="loraplex", description="Serve many LoRA fine-tunes of one model.")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
-    commands = parser.add_subparsers(dest="command", required=True)
+class Parser(argparse.ArgumentParser):
+    """argparse's parser, but a command line `loraplex serve` refuses is reported as its other fatal errors
+    are: one line on stderr and in the termination log (what Kubernetes shows for a pod whose extraArgs
+    are wrong), exit 2. Other commands keep argparse's usage and message."""
 
-    gen = commands.add_parser("generate", help="complete one prompt and print only the completion")
+    one_line_errors = False
+
+    def error(self, message: str) -> NoReturn:
+        if not self.one_line_errors:
+            super().error(message)
+        from loraplex.engine.server.serve import report_fatal
+
+        # "argument --max-num-seqs: max_num_seqs must be ..." says the option twice: once is enough.
+        flag, _, rest = message.partition(": ")
+        said = rest if flag.startswith("argument --") and _names_an_option(rest) else message
+        report_fatal(f"{self.prog}: {said}")
+        raise RefusedCommandLine(2)
+
+
+class RefusedCommandLine(SystemExit):
+    """A command line refused after saying why: main() returns its status rather than exiting."""
+
+
+def _names_an_option(message: str) -> bool:
+    return any(message.startswith((f"{name} ", f"{name}:")) for o in ALL_OPTIONS for name in o.names)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = Parser(prog="loraplex", description="Serve many LoRA fine-tunes of one model.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
+
+    gen = commands.add_parser(
+        "generate",
+        help="complete one prompt and print only the completion",
+        description="The engine's options are those of `loraplex serve` (docs/configuration.md); --seed "
+        "also seeds the sampling.",
+    )
     gen.add_argument("--prompt", required=True, help="the prompt text")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     gen.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate (default 128)")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--seed", type=int, default=0, help="seed for sampling and random weights")
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
-    gen.add_argument(
-        "--model", default=None, help="a .gguf file, a Hugging Face directory, or random:<shape>"
-    )
     gen.add_argument("--adapter", default=None, help="a PEFT LoRA directory to answer with")
-    gen.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    gen.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    add_arguments(gen.add_argument_group("engine options"), ENGINE_OPTIONS)
     gen.set_defaults(handler=_generate)
 
     serve = commands.add_parser(
         "serve",
         help="serve the model and its adapters over an OpenAI-compatible HTTP API",
-        description="Every option also reads from LORAPLEX_<OPTION> (e.g. LORAPLEX_NUM_PAGES); flags win.",
+        description="Every option also reads from LORAPLEX_<OPTION> (e.g. LORAPLEX_NUM_PAGES); flags win. "
+        "The internal token is a variable only: LORAPLEX_INTERNAL_TOKEN.",
     )
-    serve.add_argument(
-        "--model",
-        default=None,
-        help="a .gguf file or Hugging Face directory (path or file://), s3://bucket/key-or-prefix/, "
-        "or hf://org/name[@revision]; remote models are cached in LORAPLEX_MODEL_CACHE",
-    )
-    serve.add_argument("--host", default=None, help="address to listen on (default 0.0.0.0)")
-    serve.add_argument("--port", type=int, default=None, help="port to listen on (default 8000)")
     serve.add_argument(
         "--adapter",
         action="append",
         default=None,
         metavar="NAME=PATH_OR_URI",
-        help="register an adapter at start, optionally NAME=URI@SHA256 (repeatable)",
+        help="register an adapter at start, optionally NAME=URI@SHA256 (repeatable; env LORAPLEX_ADAPTERS "
+        "as a JSON list)",
     )
-    serve.add_argument("--device", default=None, help="auto | cpu | cuda | cuda:N")
-    serve.add_argument("--dtype", default=None, help="auto | float32 | bfloat16 | float16")
-    serve.add_argument("--served-model-name", default=None, help="the base model's id in the API")
-    serve.add_argument(
-        "--num-pages", type=int, default=None, help="pool size in pages (default: from memory)"
-    )
-    serve.add_argument("--max-num-seqs", type=int, default=None, help="requests in the running batch at most")
-    serve.add_argument("--max-model-len", type=int, default=None, help="prompt + output tokens at most")
-    serve.add_argument(
-        "--max-queue", type=int, default=None, help="waiting requests before 429 (default 256)"
-    )
-    serve.set_defaults(handler=_serve)
+    add_arguments(serve.add_argument_group("server options"), SERVER_OPTIONS)
+    add_arguments(serve.add_argument_group("engine options"), ENGINE_OPTIONS)
+    serve.one_line_errors = True
+    serve.set_defaults(handler=_serve, command_parser=serve)
 
     from loraplex.web import cli as web_cli
 
@@ -182,7 +192,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    try:
+        args, unknown = parser.parse_known_args(argv)
+        if unknown:  # what parse_args does, but told by the command's own parser (serve: one line)
+            getattr(args, "command_parser", parser).error(f"unrecognized arguments: {' '.join(unknown)}")
+    except RefusedCommandLine as refused:
+        return int(refused.code or 2)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

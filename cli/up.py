@@ -25,6 +25,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from loraplex.engine import options
+from loraplex.engine.config import ENGINE_OPTIONS
+
 if TYPE_CHECKING:  # the CLI imports this module for every command: the heavy imports wait for `up`
     import uvicorn
 
@@ -35,6 +38,8 @@ BASE_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 REPO = Path(__file__).resolve().parents[1]
 DEMO_ADAPTER_DIR = REPO / "fixtures" / "adapters" / "demo-uppercase"
 READY_LINE = "loraplex is up"
+# The demo adapter was trained on BASE_MODEL, so `up` always serves that model: no --model.
+ENGINE_OPTIONS_FOR_UP = tuple(o for o in ENGINE_OPTIONS if o.name != "model")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -53,6 +58,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--engine-timeout", type=float, default=600.0, help="seconds to wait for the model to load"
     )
+    # The engine's own options, as `loraplex serve` takes them (LORAPLEX_* variables reach it too).
+    options.add_arguments(
+        parser.add_argument_group("engine options (passed to loraplex serve)"), ENGINE_OPTIONS_FOR_UP
+    )
+
+
+def engine_command(port: int, args: argparse.Namespace) -> list[str]:
+    """The engine's command line: `loraplex serve` on a loopback port, with the engine flags given to `up`."""
+    command = [sys.executable, "-m", "loraplex.cli.main", "serve", "--host", "127.0.0.1", "--port", str(port)]
+    return [
+        *command,
+        *options.command_line(ENGINE_OPTIONS_FOR_UP, options.values_given(args, ENGINE_OPTIONS_FOR_UP)),
+    ]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -86,7 +104,8 @@ def run(args: argparse.Namespace) -> int:
     engine_port = args.engine_port or _free_port()
     engine_url = f"http://127.0.0.1:{engine_port}"
     log_path = settings.data_dir / "engine.log"
-    engine = _start_engine(engine_port, settings.engine_token(), settings.adapter_store, log_path)
+    command = engine_command(engine_port, args)
+    engine = _start_engine(command, settings.engine_token(), settings.adapter_store, log_path)
 
     def stop_on_signal(signum: int, frame: object) -> None:
         raise KeyboardInterrupt  # leaves the wait below; uvicorn has its own handlers once it runs
@@ -163,8 +182,9 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
-def _start_engine(port: int, token: str, adapter_store: str, log_path: Path) -> subprocess.Popen[bytes]:
-    command = [sys.executable, "-m", "loraplex.cli.main", "serve", "--host", "127.0.0.1", "--port", str(port)]
+def _start_engine(
+    command: list[str], token: str, adapter_store: str, log_path: Path
+) -> subprocess.Popen[bytes]:
     # The engine reads adapters only from the control plane's store, as on a cluster.
     env = {**os.environ, "LORAPLEX_INTERNAL_TOKEN": token, "LORAPLEX_ADAPTER_STORE": adapter_store}
     log = log_path.open("ab")

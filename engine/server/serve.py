@@ -13,11 +13,13 @@ import signal
 import sys
 from pathlib import Path
 from types import FrameType
+from typing import TYPE_CHECKING
 
 import uvicorn
 
-from .app import ServerState, create_app
-from .settings import ServerSettings
+if TYPE_CHECKING:  # the app (FastAPI, the engine, torch) loads in run_server: report_fatal stays light
+    from .app import ServerState
+    from .settings import ServerSettings
 
 log = logging.getLogger("loraplex.engine.server")
 
@@ -47,6 +49,8 @@ class DrainingServer(uvicorn.Server):
 
 def run_server(settings: ServerSettings) -> int:
     """Serve until stopped; 0 after a clean drain, 2 if the model or a start adapter failed to load."""
+    from .app import create_app
+
     logging.getLogger("loraplex").setLevel(logging.INFO)
     if not logging.getLogger().handlers:
         logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")

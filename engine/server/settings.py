@@ -1,75 +1,129 @@
 """The server's options: command-line flags over LORAPLEX_* environment variables over defaults.
 
+Two kinds of option, each declared once (engine/options.py): the engine's (EngineConfig's fields,
+engine/config.py) and the server's own (ServerSettings' fields below, with an `Opt` in the annotation).
+ServerSettings has a field for every one of both, so `ServerSettings(max_num_seqs=8)`, the variable
+`LORAPLEX_MAX_NUM_SEQS` and the flag `--max-num-seqs` are one option, converted and refused by one function.
+
 The operator starts `loraplex serve --model URI --dtype T --port 8000` with its tuning knobs in a
-ConfigMap (operator/resources.py), so every knob here also reads from the environment. Variables this
+ConfigMap (operator/resources.py), so every option also reads from the environment. Variables this
 server does not know (LORAPLEX_MODEL_FORMAT, LORAPLEX_DATABASE_URL, ...) are ignored: the same
-ConfigMap feeds other programs.
+ConfigMap feeds other programs. A bad value in a variable it does know stops it at once, naming the variable.
 """
 
 from __future__ import annotations
 
-from dataclasses import fields
+import json
+import os
+import typing
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
 from urllib.parse import unquote, urlparse
 
-from pydantic import Field, SecretStr, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, SecretStr, ValidationInfo, create_model, field_validator, model_validator
+from pydantic.fields import FieldInfo
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic_settings.sources import InitSettingsSource
 
 from loraplex import wire
-
-if TYPE_CHECKING:
-    from loraplex.engine.config import EngineConfig
+from loraplex.engine.config import ENGINE_OPTIONS, EngineConfig
+from loraplex.engine.options import (
+    ENV_PREFIX,
+    Opt,
+    OptionError,
+    by_name,
+    from_environment,
+    options_of,
+)
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
 class ServerSettings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="LORAPLEX_", extra="ignore", env_ignore_empty=True)
+    """The server's own options, then (added below from EngineConfig) the engine's; and two settings that
+    are not options: the internal token (a secret: variable only, never a flag that `ps` would show) and
+    the start adapters (a list: `--adapter` repeated, or LORAPLEX_ADAPTERS as a JSON list)."""
 
-    model: str | None = Field(
-        default=None,
-        description="a .gguf file or Hugging Face directory (path or file:// URI), "
-        "s3://bucket/key-or-prefix/, or hf://org/name[@revision]",
+    # Unknown keyword arguments are refused (a typo must not pass for a default); unknown variables are
+    # never read (OptionEnvironment reads only the variables of known options).
+    model_config = SettingsConfigDict(extra="forbid")
+
+    served_model_name: Annotated[
+        str | None,
+        Opt(
+            "the base model's id in the API", none="the model file's name without .gguf (org/name for hf://)"
+        ),
+    ] = None
+    host: Annotated[str, Opt("address to listen on")] = "0.0.0.0"
+    port: Annotated[int, Opt("port to listen on", minimum=0, maximum=65535)] = 8000
+    max_queue: Annotated[int, Opt("requests waiting to be scheduled before new ones get 429", minimum=1)] = (
+        256
     )
-    # Where s3:// and hf:// models are downloaded once and re-used (LORAPLEX_MODEL_CACHE; the loader reads
-    # the same variable). Unset: ~/.cache/loraplex/models.
-    model_cache: Path | None = None
-    served_model_name: str | None = Field(default=None, description="the base model's id in the API")
-    host: str = "0.0.0.0"
-    port: int = Field(default=8000, ge=0, le=65535)
-    device: str = "auto"
-    dtype: str = "auto"
-    seed: int = 0
-    page_size: int = Field(default=16, ge=1)
-    num_pages: int | None = Field(default=None, ge=2)
-    kv_cache_bytes: int = Field(default=1 << 30, ge=1)
-    pool_fraction: float = Field(default=0.85, gt=0.0, lt=1.0)
-    max_num_seqs: int = Field(default=64, ge=1)
-    max_batch_tokens: int = Field(default=1024, ge=1)
-    max_model_len: int | None = Field(default=None, ge=2)
-    max_resident_adapters: int | None = Field(default=None, ge=1)
-    adapter_host_cache_bytes: int | None = Field(default=None, ge=1)
-    max_queue: int = Field(default=256, ge=1, description="requests waiting to be scheduled before 429")
+    # The artifact store (the control plane's setting too). Set, adapters are fetched from it only (other
+    # URIs are refused), into adapter_cache_dir() for s3://; relative adapter URIs resolve under it.
+    adapter_store: Annotated[
+        str | None,
+        Opt(
+            "where adapters are fetched from: a directory, file://... or s3://bucket/prefix; set, adapter "
+            "URIs outside it are refused and relative ones resolve under it",
+            requirement="a directory, file:// or s3:// URI",
+            none="none (any adapter path or URI)",
+            metavar="URI",
+        ),
+    ] = None
+    s3_endpoint_url: Annotated[
+        str | None,
+        Opt(
+            "an S3-compatible service other than AWS (MinIO, Ceph RGW); credentials come from AWS_* "
+            "variables",
+            requirement="a URL",
+            none="AWS",
+            metavar="URL",
+        ),
+    ] = None
+    drain_timeout_s: Annotated[
+        float, Opt("seconds SIGTERM waits for running requests before cancelling them", minimum=0)
+    ] = 30.0
+    tenant_label_limit: Annotated[int, Opt("tenants with a metrics label of their own", minimum=0)] = 64
     internal_token: SecretStr | None = None
-    # The artifact store (LORAPLEX_ADAPTER_STORE, the control plane's setting too): a directory, file://...
-    # or s3://bucket/prefix. Set, adapters are fetched from it only (other URIs are refused), into
-    # adapter_cache_dir() for s3://; relative adapter URIs resolve under it.
-    adapter_store: str | None = Field(default=None, description="where adapters are fetched from")
-    # An S3-compatible service other than AWS (MinIO, Ceph RGW); credentials come from AWS_* variables.
-    s3_endpoint_url: str | None = None
     adapters: list[str] = Field(default_factory=list, description="NAME=PATH_OR_URI[@SHA256] at start")
-    drain_timeout_s: float = Field(default=30.0, ge=0.0)
-    tenant_label_limit: int = Field(default=64, ge=0, description="tenants with their own metrics label")
 
-    @field_validator("model")
+    if TYPE_CHECKING:
+        # Two of the engine's options the server reads itself; their fields come from EngineConfig below.
+        model: str | None = None
+        model_cache: str | None = None
+
     @classmethod
-    def _model_uri_is_well_formed(cls, value: str | None) -> str | None:
-        if value is not None:
-            from loraplex.engine.model.sources import check_model_uri
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        given = init_settings.init_kwargs if isinstance(init_settings, InitSettingsSource) else {}
+        return init_settings, OptionEnvironment(settings_cls, given)
 
-            check_model_uri(value)  # a malformed URI fails now, not after the server is up
-        return value
+    @model_validator(mode="before")
+    @classmethod
+    def _old_names(cls, values: Any) -> Any:
+        """`pool_fraction=` as `gpu_memory_fraction=`; both at once is refused."""
+        if not isinstance(values, dict):
+            return values
+        renamed: dict[str, Any] = {}
+        for key, value in values.items():
+            name = _BY_NAME[key].name if key in _BY_NAME else key
+            if name in renamed:
+                raise OptionError(f"{key} and {name} are one option ({name}); give it once")
+            renamed[name] = value
+        return renamed
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _option_value(cls, value: Any, info: ValidationInfo) -> Any:
+        option = _BY_NAME.get(info.field_name or "")
+        return option.convert(value) if option is not None else value
 
     @field_validator("internal_token")
     @classmethod
@@ -101,7 +155,7 @@ class ServerSettings(BaseSettings):
         """Where adapters fetched from an s3:// store are kept: in the model cache (LORAPLEX_MODEL_CACHE, a
         volume on a cluster), else ~/.cache/loraplex/adapters."""
         if self.model_cache is not None:
-            return self.model_cache / "loraplex-adapters"
+            return Path(self.model_cache) / "loraplex-adapters"
         return Path.home() / ".cache/loraplex/adapters"
 
     def resolve_adapter_uri(self, uri: str) -> str:
@@ -111,27 +165,68 @@ class ServerSettings(BaseSettings):
         return f"{self.adapter_store.rstrip('/')}/{uri}"
 
     def engine_config(self) -> EngineConfig:
-        from loraplex.engine.config import EngineConfig
+        values = {o.name: getattr(self, o.name) for o in ENGINE_OPTIONS}
+        if self.model is not None:
+            values["model"] = model_path(self.model)
+        # The operator sets LORAPLEX_MAX_BATCH_TOKENS from its CR and max_num_seqs may come from extraArgs:
+        # a pair the engine would refuse is settled here, towards the larger, rather than a pod that
+        # cannot start (docs/server.md says so).
+        values["max_batch_tokens"] = max(values["max_batch_tokens"], values["max_num_seqs"])
+        return EngineConfig(**values)
 
-        wanted: dict[str, Any] = {
-            "model": model_path(self.model) if self.model is not None else None,
-            "model_cache": str(self.model_cache) if self.model_cache is not None else None,
-            "device": self.device,
-            "dtype": self.dtype,
-            "seed": self.seed,
-            "page_size": self.page_size,
-            "num_pages": self.num_pages,
-            "kv_cache_bytes": self.kv_cache_bytes,
-            "gpu_memory_fraction": self.pool_fraction,
-            "max_num_seqs": self.max_num_seqs,
-            "max_batch_tokens": max(self.max_batch_tokens, self.max_num_seqs),
-            "max_model_len": self.max_model_len,
-            "max_resident_adapters": self.max_resident_adapters,
-            "adapter_host_cache_bytes": self.adapter_host_cache_bytes,
-        }
-        known = {f.name for f in fields(EngineConfig)}
-        # None means "the engine's default" for the options it has defaults for.
-        return EngineConfig(**{k: v for k, v in wanted.items() if k in known and v is not None})
+
+class OptionEnvironment(PydanticBaseSettingsSource):
+    """LORAPLEX_<NAME> for every option (and its old names), through the option's own conversion, so a
+    bad variable is refused with the same words as a bad flag, naming the variable. Options given as
+    keyword arguments (flags) are not read: they win. LORAPLEX_INTERNAL_TOKEN and LORAPLEX_ADAPTERS (a
+    JSON list) are read as they are."""
+
+    def __init__(self, settings_cls: type[BaseSettings], given: dict[str, Any]):
+        super().__init__(settings_cls)
+        self.given = given
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        return None, field_name, False  # __call__ reads every variable at once
+
+    def __call__(self) -> dict[str, Any]:
+        given = {_BY_NAME[key].name if key in _BY_NAME else key for key in self.given}
+        values = from_environment(ALL_OPTIONS, os.environ, skip=given)
+        token = os.environ.get(f"{ENV_PREFIX}INTERNAL_TOKEN")
+        if token and "internal_token" not in given:
+            values["internal_token"] = token
+        adapters = os.environ.get(f"{ENV_PREFIX}ADAPTERS", "").strip()
+        if adapters and "adapters" not in given:
+            values["adapters"] = _json_list(f"{ENV_PREFIX}ADAPTERS", adapters)
+        return values
+
+
+def _json_list(variable: str, text: str) -> list[str]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = None
+    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+        raise OptionError(f'{variable} must be a JSON list of strings such as ["name=/path"], got {text!r}')
+    return value
+
+
+# The server's own options, as declared above; then every option `loraplex serve` takes.
+SERVER_OPTIONS = options_of(ServerSettings)
+ALL_OPTIONS = (*ENGINE_OPTIONS, *SERVER_OPTIONS)
+_BY_NAME = by_name(ALL_OPTIONS)
+_ENGINE_HINTS = typing.get_type_hints(EngineConfig, include_extras=True)
+
+# The engine's options become fields of the same class, declared by EngineConfig alone: the class is
+# re-made with them (pydantic's create_model). Type checkers see the class above, which is all the code
+# reads by attribute; the engine's options are read through engine_config().
+_ENGINE_FIELDS: dict[str, Any] = {o.name: (_ENGINE_HINTS[o.name], o.default) for o in ENGINE_OPTIONS}
+ServerSettings = create_model(  # type: ignore[misc]
+    "ServerSettings",
+    __base__=ServerSettings,
+    __module__=__name__,
+    __doc__=ServerSettings.__doc__ or "",
+    **_ENGINE_FIELDS,
+)
 
 
 def model_path(model: str) -> str:
