@@ -64,8 +64,10 @@ class ServerSettings(BaseSettings):
     adapter_store: Annotated[
         str | None,
         Opt(
-            "where adapters are fetched from: a directory, file://... or s3://bucket/prefix; set, adapter "
-            "URIs outside it are refused and relative ones resolve under it",
+            "where adapters are fetched from: a directory, file://... or s3://bucket/prefix (the control "
+            "plane's setting too); set, adapter URIs outside it are refused, relative ones resolve under it, "
+            "and s3:// adapters are kept, verified, in <model_cache>/loraplex-adapters (else "
+            "~/.cache/loraplex/adapters)",
             requirement="a directory, file:// or s3:// URI",
             none="none (any adapter path or URI)",
             metavar="URI",
@@ -252,3 +254,9 @@ def parse_adapter_arg(item: str) -> tuple[str, str, str | None]:
             "gateway"
         )
     return name.strip(), uri.strip(), sha256
+
+
+if __name__ == "__main__":  # `python -m loraplex.engine.server.settings`: the table docs/server.md carries
+    from loraplex.engine.options import markdown_table
+
+    print(markdown_table(SERVER_OPTIONS), end="")

@@ -34,7 +34,7 @@ from loraplex.engine.options import (
 )
 from loraplex.engine.server.settings import ALL_OPTIONS, SERVER_OPTIONS, ServerSettings
 
-DOCS = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
+DOCS = Path(__file__).resolve().parents[2] / "docs"
 
 
 @pytest.fixture(autouse=True)
@@ -334,12 +334,21 @@ def test_serve_has_a_flag_for_every_option_and_nothing_else() -> None:
     assert flags == {flag for o in ALL_OPTIONS for flag in o.flags}
 
 
-def test_the_docs_table_is_the_definition() -> None:
-    text = DOCS.read_text()
-    found = re.search(r"<!-- engine-options:[^\n]*-->\n(.*?)<!-- end engine-options -->", text, re.S)
-    assert found, "docs/configuration.md has lost its engine-options block"
-    assert found.group(1) == markdown_table(ENGINE_OPTIONS), (
-        "docs/configuration.md's engine table is stale: replace it with `python -m loraplex.engine.config`"
+@pytest.mark.parametrize(
+    ("doc", "block", "options", "command"),
+    [
+        ("configuration.md", "engine-options", ENGINE_OPTIONS, "python -m loraplex.engine.config"),
+        ("server.md", "server-options", SERVER_OPTIONS, "python -m loraplex.engine.server.settings"),
+    ],
+)
+def test_the_docs_tables_are_the_definition(
+    doc: str, block: str, options: tuple[Option, ...], command: str
+) -> None:
+    text = (DOCS / doc).read_text()
+    found = re.search(rf"<!-- {block}:[^\n]*-->\n(.*?)<!-- end {block} -->", text, re.S)
+    assert found, f"docs/{doc} has lost its {block} block"
+    assert found.group(1) == markdown_table(options), (
+        f"docs/{doc}'s table is stale: replace it with `{command}`"
     )
 
 
