@@ -44,12 +44,12 @@ class Opt:
     """What an option's annotation adds to its field: help, the values allowed, old names.
 
     Bounds: `minimum`/`maximum` are inclusive, `above`/`below` exclusive. `choices` are the words allowed
-    (strings); `pattern` (a full match) admits further ones, such as `cuda:N`, which `choices` then shows
-    as they are written. `check` is a further test for strings (raising ValueError with the reason) and
-    `requirement` says in words what it accepts. `aliases` are old names, still read as flags and
-    variables (`pool_fraction`: `--pool-fraction`, `LORAPLEX_POOL_FRACTION`). `none` says what None, the
-    default of an optional option, means. `flag=False` keeps an option off command lines. `unit="bytes"`
-    shows sizes in KiB/MiB/GiB in the docs.
+    (strings); `pattern` (a full match) admits further ones, such as `cuda:0`. `check` is a further test
+    for strings (raising ValueError with the reason). `requirement` says in words what is allowed where
+    the bounds and choices cannot (`one of auto, cpu, cuda, cuda:N`). `aliases` are old names, still read
+    as flags and variables (`pool_fraction`: `--pool-fraction`, `LORAPLEX_POOL_FRACTION`). `none` says
+    what None, the default of an optional option, means. `unit="bytes"` shows sizes in KiB/MiB/GiB in the
+    docs.
     """
 
     help: str
@@ -63,7 +63,6 @@ class Opt:
     requirement: str | None = None
     aliases: tuple[str, ...] = ()
     none: str = ""
-    flag: bool = True
     unit: str = ""
     metavar: str | None = None
 
@@ -246,11 +245,6 @@ def by_name(options: Iterable[Option]) -> dict[str, Option]:
     return {name: option for option in options for name in option.names}
 
 
-def check_values(options: Iterable[Option], values: Mapping[str, Any]) -> dict[str, Any]:
-    """The values of these options converted and checked; the first refusal raises OptionError."""
-    return {o.name: o.convert(values[o.name]) for o in options if o.name in values}
-
-
 # --- the command line ---------------------------------------------------------------------------------
 
 
@@ -258,8 +252,6 @@ def add_arguments(parser: argparse.ArgumentParser | Any, options: Iterable[Optio
     """A flag for every option (old spellings too). Unset flags are None, so what a variable or the
     default says still counts; a refused value exits 2 with the option's message."""
     for option in options:
-        if not option.opt.flag:
-            continue
         kwargs: dict[str, Any] = {"dest": option.name, "default": None, "help": _flag_help(option)}
         if option.kind is bool:
             kwargs["action"] = argparse.BooleanOptionalAction  # --x and --no-x
@@ -342,7 +334,7 @@ def markdown_table(options: Iterable[Option]) -> str:
     """The options as docs/configuration.md shows them: name, flag, variable, default, meaning."""
     lines = ["| option | flag | variable | default | meaning |", "|---|---|---|---|---|"]
     for o in options:
-        flags = " ".join(f"`{f}`" for f in o.flags) if o.opt.flag else ""
+        flags = " ".join(f"`{f}`" for f in o.flags)
         variables = " ".join(f"`{v}`" for v in o.variables)
         default = o.opt.none if o.default is None else f"`{_shown(o, o.default)}`"
         allowed = "" if o.kind is str and not o.opt.choices else f" ({o.requirement()})"
