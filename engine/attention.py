@@ -1,21 +1,18 @@
 """The attention callables the model calls per layer for one step: plain torch, or Triton kernels.
 
 Both store the step's new keys and values in the pool and then attend: decodes (one token each) to
-their cached contexts, prefill chunks causally to their cached prefix and themselves. The torch path
-splits decodes into groups of similar length (a padded gather is wasted work on a CPU); the kernels
-walk each sequence's own pages, so one launch serves all decodes and one all prefill chunks.
+their cached contexts, prefill chunks causally to their cached prefix and themselves. Both read the
+one layout of engine/batch.py: the torch path takes views of it, decodes in groups of similar length
+(a padded gather is wasted work on a CPU) and prefill chunks one by one; the kernels walk each
+sequence's own pages, so one launch serves all decodes and one all prefill chunks.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
+from .batch import StepBatch
 from .kernels import reference
-
-if TYPE_CHECKING:
-    from .runner import StepBatch
 
 
 class ReferenceAttention:
@@ -23,17 +20,20 @@ class ReferenceAttention:
         self.memory = memory
         self.batch = batch
         self.scale = scale
+        # Derived once per step, not per layer.
+        self.decode_groups = batch.decode.groups() if batch.decode is not None else []
+        self.segments = batch.prefill.segments if batch.prefill is not None else []
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        b, memory = self.batch, self.memory
-        reference.write_kv(memory, layer, k, v, b.slots)
+        memory = self.memory
+        reference.write_kv(memory, layer, k, v, self.batch.slots)
         parts = [
             reference.paged_decode_attention(
                 q[g.start : g.end], memory, layer, g.block_tables, g.context_lens, self.scale
             )
-            for g in b.decodes
+            for g in self.decode_groups
         ]
-        for seg in b.prefills:
+        for seg in self.segments:
             rows = slice(seg.start, seg.end)
             if seg.fresh:
                 parts.append(reference.causal_attention(q[rows], k[rows], v[rows], self.scale))
@@ -62,12 +62,13 @@ class TritonAttention:
         b, memory = self.batch, self.memory
         self._write_kv(memory, layer, k, v, b.slots)
         out = torch.empty_like(q)
-        for group in b.decodes:  # one group: build() does not split decodes for the kernels
-            rows = slice(group.start, group.end)
+        decode = b.decode
+        if decode is not None:
+            rows = slice(0, decode.size)
             out[rows] = self._decode(
-                q[rows], memory, layer, group.block_tables, group.context_lens, self.scale
+                q[rows], memory, layer, decode.block_tables, decode.context_lens, self.scale
             )
-        varlen = b.prefill_varlen
+        varlen = b.prefill
         if varlen is not None:
             rows = slice(varlen.start, q.shape[0])
             out[rows] = self._prefill(

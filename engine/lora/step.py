@@ -6,40 +6,64 @@ rank-padded matrices, group the tokens by adapter, and run two grouped GEMMs per
 the Triton kernels (KernelLoraStacker): the kernels read every adapter's rows straight from the pool
 through small tables, per token for decodes and per segment (one prefill chunk, one adapter) for
 prefills. Both derive what they need once per set of adapters (keyed sorted, so steps with the same
-adapters in another order reuse it) and again only when an adapter's pages change."""
+adapters in another order reuse it) and again only when an adapter's pages change; what changes every
+step (which rows use which adapter) comes from the batch's metadata (engine/batch.py), already on the
+device: building a step's LoRA work copies nothing from the host."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Generic, TypeVar
+from itertools import accumulate
+from typing import Generic, Protocol, TypeVar
 
 import torch
 
+from loraplex.adapters import BaseShape
+
+from ..batch import LoraBatch, LoraSegments, StepBatch
 from ..kernels import reference
-from ..kernels.lora_tables import LoraTables, step_tables
 from .layout import GROUPS
-from .residency import AdapterResidency
-
-if TYPE_CHECKING:
-    from ..runner import StepBatch
+from .tables import AdapterRows, LoraTables, step_tables
 
 
-# A group's adapters in the step (sorted names), their A^T [L, G, in, R] and B^T [L, G, R, out].
-Stack = tuple[tuple[str, ...], torch.Tensor, torch.Tensor]
+class ResidentAdapters(Protocol):
+    """What the stackers read of the adapters resident in the pool (engine/lora/residency.py)."""
+
+    @property
+    def version(self) -> int: ...  # changes whenever an adapter's pages change
+
+    @property
+    def pool_rows(self) -> torch.Tensor: ...  # [num_pages * rows_per_page, head_dim] view of the pool
+
+    @property
+    def resident(self) -> Mapping[str, AdapterRows]: ...  # name -> its pool rows per group
+
+    @property
+    def base(self) -> BaseShape: ...
+
+    @property
+    def head_dim(self) -> int: ...
+
+
+@dataclass
+class Stack:
+    """One group's matrices for a set of adapters: those of the set that adapt the group."""
+
+    slots: tuple[int, ...]  # their slots in the set (ascending)
+    a: torch.Tensor  # [L, G, in, R] A^T, ranks zero-padded to R
+    b: torch.Tensor  # [L, G, R, out] scaled B^T
+    slots_device: torch.Tensor  # [G] int64 the slots again, to pick their row counts on the device
+
+
 Derived = TypeVar("Derived")
-
-
-def adapter_set(token_adapters: Sequence[str | None]) -> tuple[str, ...]:
-    """The step's adapters, sorted: the same set gives the same slots whatever the tokens' order."""
-    return tuple(sorted({a for a in token_adapters if a is not None}))
 
 
 class _PerAdapterSet(Generic[Derived]):
     """What a stacker derives from a set of resident adapters, rebuilt only when the set changes or
     the residency's version does (an adapter's pages moved)."""
 
-    def __init__(self, residency: AdapterResidency, derive: Callable[[tuple[str, ...]], Derived]):
+    def __init__(self, residency: ResidentAdapters, derive: Callable[[tuple[str, ...]], Derived]):
         self.residency = residency
         self.derive = derive
         self._key: tuple[tuple[str, ...], int] | None = None
@@ -76,29 +100,17 @@ class LoraStep:
 class LoraStacker:
     """Builds LoraSteps for the CPU path."""
 
-    def __init__(self, residency: AdapterResidency):
+    def __init__(self, residency: ResidentAdapters):
         self.residency = residency
         self._stacks = _PerAdapterSet(residency, self._gather)
 
     def build(self, batch: StepBatch) -> LoraStep | None:
-        adapters = batch.token_adapters
-        names = adapter_set(adapters)
-        if not names:
+        lora = batch.lora
+        if lora is None:
             return None
-        # The tokens of each adapter, in adapter order: one block per adapter for the grouped GEMMs.
-        by_adapter: dict[str, list[int]] = {name: [] for name in names}
-        for row, name in enumerate(adapters):
-            if name is not None:
-                by_adapter[name].append(row)
-        device = self.residency.pool_rows.device
         plans: dict[str, GroupPlan] = {}
-        for group, (members, a, b) in self._stacks(names).items():
-            counts = [len(by_adapter[n]) for n in members]  # each at least 1: members are in the step
-            rows = [row for n in members for row in by_adapter[n]]
-            in_order = len(rows) == len(adapters) and rows == list(range(len(rows)))
-            order = None if in_order else torch.tensor(rows, dtype=torch.long, device=device)
-            ends = torch.tensor(counts, dtype=torch.int32, device=device).cumsum(0, dtype=torch.int32)
-            plans[group] = GroupPlan(a, b, order, ends, counts)
+        for group, stack in self._stacks(lora.adapters).items():
+            plans[group] = _group_plan(lora, stack)
         return LoraStep(plans)
 
     def _gather(self, names: tuple[str, ...]) -> dict[str, Stack]:
@@ -106,22 +118,38 @@ class LoraStacker:
         resident = self.residency.resident
         stacks: dict[str, Stack] = {}
         for group in GROUPS:
-            members = tuple(n for n in names if group in resident[n].a_rows)
-            if not members:
+            slots = tuple(u for u, n in enumerate(names) if group in resident[n].a_rows)
+            if not slots:
                 continue
-            a_parts = [reference.gather_rows(pool_rows, resident[n].a_rows[group]) for n in members]
-            b_parts = [reference.gather_rows(pool_rows, resident[n].b_rows[group]) for n in members]
+            members = [resident[names[u]] for u in slots]
+            a_parts = [reference.gather_rows(pool_rows, m.a_rows[group]) for m in members]
+            b_parts = [reference.gather_rows(pool_rows, m.b_rows[group]) for m in members]
             layers, _, width_in = a_parts[0].shape
             width_out = b_parts[0].shape[2]
             # Padded to a multiple of 8 rows: grouped GEMMs want 16-byte strides in half precision.
             rank = -(-max(p.shape[1] for p in a_parts) // 8) * 8
-            a = pool_rows.new_zeros(layers, len(members), width_in, rank)
-            b = pool_rows.new_zeros(layers, len(members), rank, width_out)
+            a = pool_rows.new_zeros(layers, len(slots), width_in, rank)
+            b = pool_rows.new_zeros(layers, len(slots), rank, width_out)
             for i, (pa, pb) in enumerate(zip(a_parts, b_parts, strict=True)):
                 a[:, i, :, : pa.shape[1]] = pa.transpose(1, 2)
                 b[:, i, : pb.shape[1]] = pb
-            stacks[group] = (members, a, b)
+            slots_device = torch.tensor(slots, dtype=torch.long, device=pool_rows.device)
+            stacks[group] = Stack(slots, a, b, slots_device)
         return stacks
+
+
+def _group_plan(lora: LoraBatch, stack: Stack) -> GroupPlan:
+    """The rows of a group's adapters, grouped by adapter, from the batch's rows grouped by slot."""
+    if len(stack.slots) == len(lora.adapters):  # every adapter of the step adapts this group
+        order = None if lora.in_row_order else lora.order
+        return GroupPlan(stack.a, stack.b, order, lora.slot_ends, lora.slot_counts)
+    # Some adapters do not adapt it: their slots' blocks of `order` drop out (views, then one cat on
+    # the device), and the row ends follow from the kept slots' counts, also on the device.
+    begins = [0, *accumulate(lora.slot_counts)]
+    blocks = [lora.order[begins[u] : begins[u + 1]] for u in stack.slots]
+    order = blocks[0] if len(blocks) == 1 else torch.cat(blocks)
+    offsets = lora.slot_counts_device.index_select(0, stack.slots_device).cumsum(0, dtype=torch.int32)
+    return GroupPlan(stack.a, stack.b, order, offsets, [lora.slot_counts[u] for u in stack.slots])
 
 
 class KernelLoraStep:
@@ -134,7 +162,7 @@ class KernelLoraStep:
         tables: dict[str, LoraTables],
         num_decodes: int,
         decode_slots: torch.Tensor | None,  # [D] int32 slot of each decode row (-1: none); None: no LoRA
-        segments: tuple[torch.Tensor, torch.Tensor, int] | None,  # seg_starts [G+1], seg_slot [G], longest
+        segments: LoraSegments | None,  # the prefill chunks; None: none of them has an adapter
     ):
         from ..kernels import lora_expand, lora_shrink
 
@@ -160,7 +188,7 @@ class KernelLoraStep:
                 y[:d], shrunk, pool, b, cols, widths, t.slot_start, t.slot_rank, slots
             )
         if self.segments is not None:
-            starts, seg_slot, longest = self.segments
+            starts, seg_slot, longest = self.segments.starts, self.segments.slots, self.segments.longest
             shrunk = self._shrink.lora_shrink_segments(
                 x[d:], pool, a, t.slot_start, t.slot_rank, starts, seg_slot, t.max_rank, longest
             )
@@ -172,7 +200,7 @@ class KernelLoraStep:
 class KernelLoraStacker:
     """Builds KernelLoraSteps for the Triton kernels."""
 
-    def __init__(self, residency: AdapterResidency):
+    def __init__(self, residency: ResidentAdapters):
         self.residency = residency
         self._tables = _PerAdapterSet(
             residency,
@@ -182,25 +210,10 @@ class KernelLoraStacker:
         )
 
     def build(self, batch: StepBatch) -> KernelLoraStep | None:
-        adapters = batch.token_adapters
-        names = adapter_set(adapters)
-        if not names:
+        lora = batch.lora
+        if lora is None:
             return None
-        slot = {name: i for i, name in enumerate(names)}
-        device = self.residency.pool_rows.device
-        d = batch.num_decodes
-        decode = [slot[a] if a is not None else -1 for a in adapters[:d]]
-        decode_slots = (
-            torch.tensor(decode, dtype=torch.int32, device=device) if any(s >= 0 for s in decode) else None
+        tables = self._tables(lora.adapters)
+        return KernelLoraStep(
+            self.residency.pool_rows, tables, batch.num_decodes, lora.decode_slots, lora.segments
         )
-        segments = None
-        seg_adapters = [adapters[seg.start] for seg in batch.prefills]
-        seg_slots = [slot[a] if a is not None else -1 for a in seg_adapters]
-        if any(s >= 0 for s in seg_slots):
-            starts = [seg.start - d for seg in batch.prefills] + [batch.prefills[-1].end - d]
-            segments = (
-                torch.tensor(starts, dtype=torch.int32, device=device),
-                torch.tensor(seg_slots, dtype=torch.int32, device=device),
-                max(seg.end - seg.start for seg in batch.prefills),
-            )
-        return KernelLoraStep(self.residency.pool_rows, self._tables(names), d, decode_slots, segments)

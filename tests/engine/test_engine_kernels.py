@@ -7,6 +7,8 @@ decode and prefill launches, the KV writes — on every CI run; on a GPU the sam
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -41,7 +43,12 @@ def run(
         )
     preemptions = []
     preempt = engine.scheduler.preempt
-    engine.scheduler.preempt = lambda request: (preemptions.append(request), preempt(request))[1]  # type: ignore[method-assign]
+
+    def counted_preempt(request: Any) -> Any:
+        preemptions.append(request)
+        return preempt(request)
+
+    setattr(engine.scheduler, "preempt", counted_preempt)  # noqa: B010 (shadows the method)
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     outputs = engine.generate(prompts, params, adapters=adapters)
     assert engine.pool.pages_by_kind()["kv"] == 0

@@ -1,11 +1,11 @@
-"""How the runner groups decodes of similar context length into one attention call each."""
+"""How the batch groups decodes of similar context length into one attention call each."""
 
 from __future__ import annotations
 
 from hypothesis import given
 from hypothesis import strategies as st
 
-from loraplex.engine.runner import group_decodes
+from loraplex.engine.batch import group_decodes
 
 
 @given(st.lists(st.integers(1, 200), max_size=64))

@@ -13,8 +13,8 @@ import torch
 from loraplex.adapters import inspect_adapter
 from loraplex.adapters.weights import load_lora_weights
 from loraplex.engine.kernels import lora_expand, lora_shrink, reference
-from loraplex.engine.kernels.lora_tables import LoraTables, group_tables, step_tables
 from loraplex.engine.lora.layout import GROUPS, group_width, pack_adapter, physical_rows
+from loraplex.engine.lora.tables import LoraTables, group_tables, step_tables
 
 from ...adapters.conftest import TINY_SHAPE, VARIANTS, make_peft_adapter
 

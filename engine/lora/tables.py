@@ -1,6 +1,6 @@
 """The index tables the lora_shrink / lora_expand kernels read, built from resident adapters' pool rows.
 
-Layout (see `engine/lora/layout.py`) gives each adapter, per projection group, the pool rows of its
+Layout (see `layout.py`) gives each adapter, per projection group, the pool rows of its
 stacked A rows `a_rows[group]` [layers, C_u, in / head_dim] and B^T rows `b_rows[group]` [layers, C_u,
 out / head_dim]: a matrix row is a run of consecutive pool rows, and a B row's entries outside its
 module's column block are the null row. The kernels want only where each row begins and, for B, which
@@ -17,11 +17,11 @@ import torch
 
 from loraplex.adapters import BaseShape
 
-from ..lora.layout import GROUPS, NULL_ROW, group_width
+from .layout import GROUPS, NULL_ROW, group_width
 
 
 class AdapterRows(Protocol):
-    """An adapter's pool rows per group (`Resident` in engine/lora/residency.py is one)."""
+    """An adapter's pool rows per group (a resident adapter of engine/lora/ is one)."""
 
     @property
     def a_rows(self) -> Mapping[str, torch.Tensor]: ...  # group -> [layers, C_u, in / head_dim] pool rows
