@@ -332,12 +332,8 @@ def adapter_pages(engine: Server) -> float:
     return engine.sample("loraplex_pool_pages", 'kind="adapter"')
 
 
-def host_cache_bytes(engine: Server) -> int:
-    """Bytes of adapter weights the engine keeps in host memory."""
-    llm = engine.engine
-    if hasattr(llm, "stats"):  # TODO(H7): settle on stats() once the engine's narrow surface lands
-        return int(llm.stats().host_cache_bytes)
-    return int(llm.adapters.host.bytes_used())
+def host_cache_bytes(engine: Server) -> float:
+    return engine.sample("loraplex_adapter_host_cache_bytes")
 
 
 def chat(url: str, headers: dict[str, str], model: str) -> str:
@@ -346,7 +342,7 @@ def chat(url: str, headers: dict[str, str], model: str) -> str:
     return answer.choices[0].message.content or ""
 
 
-def used_then_deleted(engine: Server, url: str, headers: dict[str, str]) -> str:
+def serve_with_the_demo_adapter(engine: Server, url: str, headers: dict[str, str]) -> str:
     """Upload the demo adapter, serve a request with it (the engine registers and loads it); its name."""
     adapter = upload_demo(url, headers)
     assert chat(url, headers, "shout")
@@ -368,7 +364,7 @@ def test_a_deleted_adapter_is_forgotten_by_the_engine_and_refused_by_the_gateway
 ) -> None:
     # An hour between passes: what the engine forgets here, it forgets because the delete woke the sync.
     _, url, headers = platform(engine_sync_interval_s=3600)
-    name = used_then_deleted(engine, url, headers)
+    name = serve_with_the_demo_adapter(engine, url, headers)
 
     assert httpx.delete(f"{url}/api/v1/adapters/shout", headers=headers).status_code == 204
     wait_for(lambda: forgotten(engine, name), "the engine to forget the deleted adapter")
@@ -387,13 +383,39 @@ def test_a_deleted_adapter_is_forgotten_by_the_engine_and_refused_by_the_gateway
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+def test_a_request_running_when_its_adapter_is_deleted_finishes_then_the_engine_forgets_it(
+    engine: Server, platform: PlatformFactory
+) -> None:
+    _, url, headers = platform(engine_sync_interval_s=3600)
+    name = serve_with_the_demo_adapter(engine, url, headers)
+    client = OpenAI(base_url=f"{url}/v1", api_key=headers["Authorization"][7:], max_retries=0, timeout=120)
+    stream = client.chat.completions.create(
+        model="shout", messages=QUESTION, max_tokens=48, temperature=0, stream=True
+    )
+    chunks = iter(stream)
+    first = next(chunks)
+    assert first.choices
+    assert httpx.delete(f"{url}/api/v1/adapters/shout", headers=headers).status_code == 204
+    rest = list(chunks)
+    finished = [c.choices[0].finish_reason for c in rest if c.choices and c.choices[0].finish_reason]
+    assert finished == ["length"], finished  # served to its end with the adapter it started with
+    wait_for(lambda: forgotten(engine, name), "the engine to forget the adapter once its request ended")
+    usage = wait_for(
+        lambda: [r for r in httpx.get(f"{url}/api/v1/usage", headers=headers).json()["rows"]],
+        "the usage of both requests",
+    )
+    assert sum(r["requests"] for r in usage if r["model"] == "shout") == 2
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_a_replica_down_during_the_delete_is_cleaned_by_the_sync_once_it_is_back(
     engine: Server, proxy: SwitchableProxy, platform: PlatformFactory
 ) -> None:
     app, url, headers = platform(engine_sync_interval_s=0.3)
     sync = engine_sync_of(app)
     assert sync is not None
-    name = used_then_deleted(engine, url, headers)
+    name = serve_with_the_demo_adapter(engine, url, headers)
 
     proxy.down()
     assert httpx.delete(f"{url}/api/v1/adapters/shout", headers=headers).status_code == 204

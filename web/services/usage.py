@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import uuid
 from dataclasses import dataclass
 
 from sqlalchemy import func, select
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from ..db.models import UsageRecord, utcnow
@@ -30,7 +32,15 @@ class Usage:
 def record(session: Session, usage: Usage) -> None:
     now = utcnow()
     session.add(UsageRecord(**vars(usage), created_at=now, day=now.date()))
-    session.commit()
+    try:
+        session.commit()
+    except IntegrityError:
+        session.rollback()
+        if usage.adapter_id is None:
+            raise
+        # Its adapter was deleted while the request ran: the usage is still the tenant's, kept under the
+        # model name it asked for, as rows written before the delete are (adapter_id SET NULL).
+        record(session, dataclasses.replace(usage, adapter_id=None))
 
 
 def summarize(session: Session, tenant_id: uuid.UUID, days: int) -> UsageSummary:
