@@ -74,14 +74,19 @@ async def post(kube: KubeClient, body: Mapping[str, Any], kind: str, reason: str
     event = event_body(body, kind, reason, message, now, os.environ.get("HOSTNAME", COMPONENT))
     meta = event["metadata"]
     try:
+        try:
+            await kube.create(event)  # the common case is a new event: one request
+            return
+        except KubeError as error:
+            if error.status != 409:
+                raise
         existing = await kube.get("Event", meta["namespace"], meta["name"])
         if existing is None:
-            await kube.create(event)
-        else:
-            count = int(existing.get("count") or 1) + 1
-            version = (existing.get("metadata") or {}).get("resourceVersion")
-            patch = {"metadata": {"resourceVersion": version}, "count": count, "lastTimestamp": now}
-            await kube.patch("Event", meta["namespace"], meta["name"], patch)
+            return  # expired between the two calls: the event was seen, that is enough
+        count = int(existing.get("count") or 1) + 1
+        version = (existing.get("metadata") or {}).get("resourceVersion")
+        patch = {"metadata": {"resourceVersion": version}, "count": count, "lastTimestamp": now}
+        await kube.patch("Event", meta["namespace"], meta["name"], patch)
     except KubeError as error:
-        # 409: a concurrent post of the same event won; the count is off by one, the event is there.
+        # A 409 on the patch: a concurrent post of the same event won; the count is one short.
         logger.warning("could not post event %s %s: %s", reason, message, error)

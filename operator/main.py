@@ -227,9 +227,11 @@ async def reconcile(kube: KubeClient, body: Mapping[str, Any], config: OperatorC
 async def announce_changes(
     kube: KubeClient, body: Mapping[str, Any], idep: InferenceDeployment, result: ApplyResult
 ) -> None:
-    """Normal Events for children created and for rollouts (a changed pod template replaces the pods)."""
-    for kind in result.created:
-        await events.post(kube, body, events.NORMAL, events.CREATED, f"created {kind} {child_name(idep)}")
+    """Normal Events for children created (one per pass: a restored child is worth one line) and for
+    rollouts (a changed pod template replaces the pods)."""
+    if result.created:
+        message = f"created {', '.join(result.created)} {child_name(idep)}"
+        await events.post(kube, body, events.NORMAL, events.CREATED, message)
     if result.rolled_out:
         steps = rollout_strategy(idep)["rollingUpdate"]
         message = (

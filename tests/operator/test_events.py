@@ -1,0 +1,161 @@
+"""Events against the API emulator: children created, rollouts with their strategy, scale decisions with the
+metric behind them, refusals (invalid spec); repeated events aggregate into one Event with a count."""
+
+from __future__ import annotations
+
+import asyncio
+import types
+from collections.abc import Iterator
+from typing import Any
+
+import aiohttp
+import kopf
+import pytest
+
+from loraplex.operator import events
+from loraplex.operator.autoscaler import Decision, ScalingState
+from loraplex.operator.config import OperatorConfig
+from loraplex.operator.main import autoscale_once, reconcile
+from loraplex.operator.spec import parse
+from tests.operator.cluster import NAMESPACE, Cluster, wait_for
+from tests.operator.emulated import Emulated, inference_deployment
+
+pytestmark = pytest.mark.timeout(90)
+CONFIG = OperatorConfig(allowed_secrets=(f"{NAMESPACE}/*",))
+NAME = "story"
+CHILD = f"{NAME}-engine"
+
+
+@pytest.fixture(scope="module")
+def emulated() -> Iterator[Emulated]:
+    cluster = Cluster(engines=4)
+    cluster.start()
+    try:
+        emulated = Emulated(cluster)
+        yield emulated
+        emulated.close()
+    finally:
+        cluster.stop()
+
+
+def reconcile_live(emulated: Emulated, name: str = NAME) -> dict[str, Any]:
+    live = emulated.cluster.get("InferenceDeployment", name)
+    assert live is not None
+    return asyncio.run(reconcile(emulated.kube, live, CONFIG))
+
+
+def reasons(emulated: Emulated, name: str = NAME) -> list[tuple[str, str]]:
+    return [(e["type"], e["reason"]) for e in emulated.events(name)]
+
+
+def latest(emulated: Emulated, reason: str) -> dict[str, Any]:
+    found = [e for e in emulated.events(NAME) if e["reason"] == reason]
+    assert found, f"no {reason} event in {reasons(emulated)}"
+    return max(found, key=lambda e: int(e["metadata"]["resourceVersion"]))
+
+
+def autoscale(emulated: Emulated) -> Decision | None:
+    async def once() -> Decision | None:
+        async with aiohttp.ClientSession() as http:
+            memo = types.SimpleNamespace(kube=emulated.kube, http=http, config=CONFIG)
+            live = emulated.cluster.get("InferenceDeployment", NAME)
+            return await autoscale_once(memo, parse(live), ScalingState())  # type: ignore[arg-type]
+
+    return asyncio.run(once())
+
+
+def pods(emulated: Emulated) -> int:
+    return len([p for p in emulated.cluster.list("Pod") if p["metadata"]["name"].startswith(CHILD)])
+
+
+def test_creating_the_children_is_announced(emulated: Emulated) -> None:
+    emulated.cluster.create(
+        inference_deployment(
+            NAME,
+            replicas={"min": 1, "max": 4},
+            autoscaling={"mode": "builtin", "target": 4, "scaleDownStabilizationSeconds": 0},
+        )
+    )
+    reconcile_live(emulated)
+    created = [e for e in emulated.events(NAME) if e["reason"] == events.CREATED]
+    assert [e["message"] for e in created] == [
+        f"created ConfigMap, Deployment, Service, PodDisruptionBudget {CHILD}"
+    ]
+    assert created[0]["type"] == events.NORMAL
+    assert created[0]["involvedObject"]["kind"] == "InferenceDeployment"
+    assert created[0]["source"] == {"component": "loraplex-operator"}
+    # Nothing changed on the next pass: nothing announced. A deleted child restored: one line.
+    before = emulated.events(NAME)
+    reconcile_live(emulated)
+    assert emulated.events(NAME) == before
+    emulated.cluster.delete("Service", CHILD)
+    reconcile_live(emulated)
+    assert latest(emulated, events.CREATED)["message"] == f"created Service {CHILD}"
+
+
+def test_scale_decisions_are_announced_with_their_metric(emulated: Emulated) -> None:
+    cluster = emulated.cluster
+    wait_for(lambda: pods(emulated) == 1, what="the first engine pod")
+    cluster.set_load(20.0)
+    decision = autoscale(emulated)
+    assert decision is not None and (decision.current, decision.desired) == (1, 4)
+    up = latest(emulated, events.SCALED_UP)
+    assert up["type"] == events.NORMAL
+    assert up["message"] == (
+        f"scaled Deployment {CHILD} from 1 to 4 replicas "
+        "(AtMaximum; waiting_requests 20 per ready pod, target 4)"
+    )
+    wait_for(lambda: pods(emulated) == 4, what="4 engine pods")
+    cluster.set_load(0.0)
+    decision = autoscale(emulated)
+    assert decision is not None and (decision.current, decision.desired) == (4, 2)
+    down = latest(emulated, events.SCALED_DOWN)
+    assert down["message"] == (
+        f"scaled Deployment {CHILD} from 4 to 2 replicas "
+        "(RateLimited; waiting_requests 0 per ready pod, target 4)"
+    )
+
+
+def test_rollouts_are_announced_with_their_strategy(emulated: Emulated) -> None:
+    cluster = emulated.cluster
+    cluster.patch(
+        "InferenceDeployment", NAME, {"spec": {"engine": {"image": "ghcr.io/loraplex/engine:0.2.0"}}}
+    )
+    reconcile_live(emulated)
+    rolling = latest(emulated, events.ROLLING_OUT)
+    assert rolling["message"] == (
+        f"pod template of Deployment {CHILD} changed: replacing pods, "
+        "Surge rollout (maxSurge 1, maxUnavailable 0)"
+    )
+    # The strategy alone replaces no pod: the Deployment changes, nothing is announced.
+    count = len(emulated.events(NAME))
+    cluster.patch("InferenceDeployment", NAME, {"spec": {"rollout": {"strategy": "Replace"}}})
+    reconcile_live(emulated)
+    strategy = cluster.get("Deployment", CHILD)["spec"]["strategy"]
+    assert strategy == {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}}
+    assert len(emulated.events(NAME)) == count
+    cluster.patch(
+        "InferenceDeployment", NAME, {"spec": {"engine": {"image": "ghcr.io/loraplex/engine:0.3.0"}}}
+    )
+    reconcile_live(emulated)
+    assert latest(emulated, events.ROLLING_OUT)["message"].endswith(
+        "Replace rollout (maxSurge 0, maxUnavailable 1)"
+    )
+
+
+def test_an_invalid_spec_is_a_warning(emulated: Emulated) -> None:
+    emulated.cluster.patch("InferenceDeployment", NAME, {"spec": {"resources": {"gpusPerReplica": 2}}})
+    with pytest.raises(kopf.PermanentError):
+        reconcile_live(emulated)
+    warning = latest(emulated, events.INVALID_SPEC)
+    assert warning["type"] == events.WARNING
+    assert "spec.resources.gpusPerReplica is 2; the engine uses one GPU per replica" in warning["message"]
+
+
+def test_the_same_event_again_counts_up(emulated: Emulated) -> None:
+    subject = emulated.cluster.get("InferenceDeployment", NAME)
+    for _ in range(3):
+        asyncio.run(events.post(emulated.kube, subject, events.WARNING, "Tested", "the same words"))
+    tested = [e for e in emulated.events(NAME) if e["reason"] == "Tested"]
+    assert len(tested) == 1 and tested[0]["count"] == 3
+    assert tested[0]["firstTimestamp"] <= tested[0]["lastTimestamp"]
