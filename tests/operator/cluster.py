@@ -32,6 +32,7 @@ PATHS = {
     "Pod": "/api/v1/namespaces/{ns}/pods",
     "PodDisruptionBudget": "/apis/policy/v1/namespaces/{ns}/poddisruptionbudgets",
     "HorizontalPodAutoscaler": "/apis/autoscaling/v2/namespaces/{ns}/horizontalpodautoscalers",
+    "ClusterKopfPeering": "/apis/kopf.dev/v1/clusterkopfpeerings",  # cluster-scoped: {ns} unused
 }
 
 
@@ -101,6 +102,8 @@ class Cluster:
         # kopf waits to discover these two before it watches anything; with scanning off it never lists them
         # (kmock cannot route the cluster-scoped /api/v1/namespaces list).
         self.api.declare("v1/namespaces", "Namespace", (), False)
+        # kopf's peering kind, as the chart's CRD declares it (cluster-scoped, no status subresource).
+        self.api.declare("kopf.dev/v1/clusterkopfpeerings", "ClusterKopfPeering", (), False)
         self.api.declare(
             "apiextensions.k8s.io/v1/customresourcedefinitions", "CustomResourceDefinition", (), False
         )

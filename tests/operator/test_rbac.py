@@ -103,8 +103,10 @@ def test_by_default_the_operator_is_granted_the_release_namespace_only() -> None
 def test_watched_namespaces_get_one_role_each_and_the_operator_watches_exactly_those() -> None:
     objects = render({"operator": {"watchNamespaces": ["team-a", "team-b"]}})
     found = rbac(objects)
-    roles = sorted(ns for kind, name, ns in found if kind == "Role" and name == "loraplex-operator")
-    bindings = sorted(ns for kind, name, ns in found if kind == "RoleBinding" and name == "loraplex-operator")
+    roles = sorted(str(ns) for kind, name, ns in found if kind == "Role" and name == "loraplex-operator")
+    bindings = sorted(
+        str(ns) for kind, name, ns in found if kind == "RoleBinding" and name == "loraplex-operator"
+    )
     assert roles == bindings == ["team-a", "team-b"]
     assert role_rules(objects, "Role", "loraplex-operator") == NAMESPACED_RULES
     assert ("ClusterRole", "loraplex-operator", None) not in found
