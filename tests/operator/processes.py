@@ -92,7 +92,8 @@ class OperatorProcess:
             state = self.peering_state()
             return state if state in states else None
 
-        result: str = wait_for(reached, timeout=timeout, what=f"{self.name} to be {' or '.join(states)}")
+        result = wait_for(reached, timeout=timeout, what=f"{self.name} to be {' or '.join(states)}")
+        assert result is not None  # wait_for returns only a truthy value
         return result
 
     def stop(self, sig: signal.Signals = signal.SIGTERM, timeout: float = 30.0) -> int:

@@ -53,7 +53,8 @@ def test_one_of_two_operators_works_and_the_other_takes_over_when_it_dies(
     operators = {name: OperatorProcess(cluster, tmp_path, name) for name in ("operator-a", "operator-b")}
     try:
         # Both keep-alives land in the one ClusterKopfPeering (the first process to start creates it).
-        both = wait_for(lambda: len(peers(cluster)) == 2 and peers(cluster), what="both operators peered")
+        wait_for(lambda: len(peers(cluster)) == 2, what="both operators peered")
+        both = peers(cluster)
         priorities = {name: int(both[name]["priority"]) for name in operators}
         assert len(set(priorities.values())) == 2, priorities  # drawn at random, so one outranks the other
         active, standby = sorted(operators, key=priorities.__getitem__, reverse=True)
@@ -93,7 +94,8 @@ def test_a_clean_exit_hands_over_at_once(cluster: Cluster, tmp_path: Path) -> No
         name: OperatorProcess(cluster, tmp_path, name, env=slow) for name in ("operator-a", "operator-b")
     }
     try:
-        both = wait_for(lambda: len(peers(cluster)) == 2 and peers(cluster), what="both operators peered")
+        wait_for(lambda: len(peers(cluster)) == 2, what="both operators peered")
+        both = peers(cluster)
         active, standby = sorted(operators, key=lambda name: int(both[name]["priority"]), reverse=True)
         operators[active].wait_for_peering_state("active")
         operators[standby].wait_for_peering_state("paused", "waiting")
