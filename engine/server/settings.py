@@ -14,6 +14,7 @@ ConfigMap feeds other programs. A bad value in a variable it does know stops it 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import typing
 from pathlib import Path
@@ -37,6 +38,7 @@ from loraplex.engine.options import (
 )
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+log = logging.getLogger("loraplex.engine.server")
 
 
 class ServerSettings(BaseSettings):
@@ -173,7 +175,15 @@ class ServerSettings(BaseSettings):
         # The operator sets LORAPLEX_MAX_BATCH_TOKENS from its CR and max_num_seqs may come from extraArgs:
         # a pair the engine would refuse is settled here, towards the larger, rather than a pod that
         # cannot start (docs/server.md says so).
-        values["max_batch_tokens"] = max(values["max_batch_tokens"], values["max_num_seqs"])
+        if values["max_batch_tokens"] < values["max_num_seqs"]:
+            log.warning(
+                "max_batch_tokens %d is below max_num_seqs %d: raised to %d so every running request can "
+                "decode in one step",
+                values["max_batch_tokens"],
+                values["max_num_seqs"],
+                values["max_num_seqs"],
+            )
+            values["max_batch_tokens"] = values["max_num_seqs"]
         return EngineConfig(**values)
 
 

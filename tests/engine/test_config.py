@@ -32,7 +32,10 @@ from loraplex.engine.options import (
     options_of,
     values_given,
 )
-from loraplex.engine.server.settings import ALL_OPTIONS, SERVER_OPTIONS, ServerSettings
+from loraplex.engine.server.settings import ALL_OPTIONS, SERVER_OPTIONS, ServerSettings, model_path
+from loraplex.operator.resources import desired_objects
+from loraplex.operator.spec import parse
+from tests.operator.helpers import EXAMPLES, body
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 
@@ -270,10 +273,38 @@ def test_python_values_are_converted_like_text() -> None:
         EngineConfig(**{"max_num_seqs": 8.0})
 
 
-def test_the_server_settles_max_batch_tokens_the_engine_refuses() -> None:
+def test_the_server_settles_max_batch_tokens_the_engine_refuses(caplog: pytest.LogCaptureFixture) -> None:
     with pytest.raises(ValueError, match=r"max_batch_tokens \(16\) must be at least max_num_seqs \(32\)"):
         EngineConfig(max_batch_tokens=16, max_num_seqs=32)
     assert ServerSettings(max_batch_tokens=16, max_num_seqs=32).engine_config().max_batch_tokens == 32
+    assert "max_batch_tokens 16 is below max_num_seqs 32: raised to 32" in caplog.text
+
+
+@pytest.mark.parametrize("example", [path.name for path in EXAMPLES])
+def test_the_operator_s_engine_pod_makes_the_engine_config_its_cr_asks_for(
+    example: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The pod's command line through loraplex's parser, its ConfigMap as the environment: what `loraplex
+    # serve` would run the engine with.
+    spec = parse(body(example)).spec
+    objects = desired_objects(parse(body(example)))
+    engine = next(o for o in objects if o["kind"] == "Deployment")["spec"]["template"]["spec"]["containers"][
+        0
+    ]
+    for config_map in (o for o in objects if o["kind"] == "ConfigMap"):
+        for name, value in config_map["data"].items():
+            monkeypatch.setenv(name, value)
+    argv = [*engine["command"], *engine["args"]]
+    assert argv[0] == "loraplex"
+    args = build_parser().parse_args(argv[1:])
+    config = ServerSettings(**values_given(args, ALL_OPTIONS)).engine_config()
+    assert config.model == model_path(spec.model.uri) and config.dtype == spec.model.dtype
+    assert config.gpu_memory_fraction == spec.engine.pool_fraction  # LORAPLEX_POOL_FRACTION, the old name
+    assert config.max_resident_adapters == spec.engine.max_resident_adapters
+    assert config.device == ("cuda" if spec.resources.gpus_per_replica > 0 else "cpu")
+    extra = build_parser().parse_args(["serve", *spec.engine.extra_args])
+    assert config.max_num_seqs == (extra.max_num_seqs or EngineConfig.max_num_seqs)
+    assert config.max_batch_tokens == max(spec.engine.max_batch_tokens, config.max_num_seqs)
 
 
 # --- the machinery, on a yes/no option (the engine has none yet) -----------------------------------------
