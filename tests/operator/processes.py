@@ -49,7 +49,8 @@ class OperatorProcess:
             **os.environ,
             "KUBECONFIG": str(kubeconfig),
             "POD_ID": name,
-            "PYTHONPATH": str(ROOT),
+            # The checkout first on the path for `-m tests.operator...`, after whatever the test run had.
+            "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(ROOT)])),
             "LORAPLEX_OPERATOR_RESYNC_SECONDS": "1",
             "LORAPLEX_OPERATOR_AUTOSCALE_SECONDS": "1",
             "LORAPLEX_OPERATOR_PEERING_LIFETIME_SECONDS": "3",
