@@ -49,7 +49,7 @@ class OperatorProcess:
             **os.environ,
             "KUBECONFIG": str(kubeconfig),
             "POD_ID": name,
-            # The checkout first on the path for `-m tests.operator...`, after whatever the test run had.
+            # Whatever path the test run has, then the checkout (for `-m tests.operator.kopf_in_emulator`).
             "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(ROOT)])),
             "LORAPLEX_OPERATOR_RESYNC_SECONDS": "1",
             "LORAPLEX_OPERATOR_AUTOSCALE_SECONDS": "1",
