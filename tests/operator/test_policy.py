@@ -1,0 +1,217 @@
+"""The Secret and image policy: pure rules, the configuration, and a refused CR against the API emulator
+(nothing created or changed, Degraded PolicyViolation, one Warning Event; a namespace label unblocks it)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from loraplex.operator import events
+from loraplex.operator.config import DEFAULT_ALLOWED_IMAGES, OperatorConfig
+from loraplex.operator.main import reconcile
+from loraplex.operator.policy import (
+    SECRETS_LABEL,
+    image_violation,
+    needs_namespace_labels,
+    secrets_used,
+    violations,
+)
+from loraplex.operator.spec import parse
+from tests.operator.cluster import Cluster
+from tests.operator.emulated import Emulated, inference_deployment
+from tests.operator.helpers import body
+
+pytestmark = pytest.mark.timeout(60)
+ALLOWED = {SECRETS_LABEL: "allowed"}
+
+
+def overlay_with_secrets() -> dict[str, Any]:
+    return {
+        "spec": {
+            "imagePullSecrets": [{"name": "pull"}],
+            "containers": [
+                {
+                    "name": "engine",
+                    "env": [
+                        {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}}
+                    ],
+                    "envFrom": [{"secretRef": {"name": "extra-env"}}],
+                    "volumeMounts": [{"name": "certs", "mountPath": "/etc/certs"}],
+                }
+            ],
+            "volumes": [
+                {"name": "certs", "secret": {"secretName": "certs"}},
+                {"name": "bundle", "projected": {"sources": [{"secret": {"name": "bundle"}}]}},
+            ],
+        }
+    }
+
+
+def test_config_reads_the_policy_from_the_environment() -> None:
+    config = OperatorConfig.from_env(
+        {
+            "LORAPLEX_OPERATOR_ALLOWED_IMAGES": "registry.example.com/engine:*, ghcr.io/loraplex/engine:*",
+            "LORAPLEX_OPERATOR_ALLOW_ANY_IMAGE": "false",
+            "LORAPLEX_OPERATOR_ALLOWED_SECRETS": "loraplex/loraplex-*,*/engine-token",
+        }
+    )
+    assert config.allowed_images == ("registry.example.com/engine:*", "ghcr.io/loraplex/engine:*")
+    assert config.allowed_secrets == ("loraplex/loraplex-*", "*/engine-token")
+    assert not config.allow_any_image
+    assert OperatorConfig.from_env({"LORAPLEX_OPERATOR_ALLOW_ANY_IMAGE": "TRUE"}).allow_any_image
+    # Unset or empty (a chart's empty list): the project's own engine image only.
+    assert OperatorConfig.from_env({}).allowed_images == DEFAULT_ALLOWED_IMAGES
+    assert (
+        OperatorConfig.from_env({"LORAPLEX_OPERATOR_ALLOWED_IMAGES": " "}).allowed_images
+        == DEFAULT_ALLOWED_IMAGES
+    )
+    with pytest.raises(ValueError, match="must be true or false"):
+        OperatorConfig.from_env({"LORAPLEX_OPERATOR_ALLOW_ANY_IMAGE": "yes"})
+    with pytest.raises(ValueError, match="is not namespace/name"):
+        OperatorConfig.from_env({"LORAPLEX_OPERATOR_ALLOWED_SECRETS": "loraplex-secrets"})
+
+
+def test_default_image_policy_is_the_project_engine_image() -> None:
+    config = OperatorConfig()
+    assert image_violation("ghcr.io/loraplex/engine:0.1.0", config) is None
+    assert image_violation("ghcr.io/loraplex/engine@sha256:" + "a" * 64, config) is None
+    for refused in (
+        "ghcr.io/loraplex/engine-evil:1",
+        "docker.io/someone/engine:0.1.0",
+        "ghcr.io/loraplex/engine",
+    ):
+        message = image_violation(refused, config)
+        assert message is not None and refused in message and "LORAPLEX_OPERATOR_ALLOWED_IMAGES" in message
+    assert image_violation("docker.io/someone/engine:1", OperatorConfig(allow_any_image=True)) is None
+    listed = OperatorConfig(allowed_images=("registry.example.com/*",))
+    assert image_violation("registry.example.com/team/engine:2", listed) is None
+    assert image_violation("ghcr.io/loraplex/engine:0.1.0", listed) is not None
+
+
+def test_every_secret_the_pod_reads_is_checked() -> None:
+    idep = parse(body(podTemplate=overlay_with_secrets()))
+    used = {s.name: s.field for s in secrets_used(idep)}
+    assert used == {
+        "loraplex-secrets": "spec.internalTokenSecretRef",
+        "loraplex-adapter-store": "spec.adapterStore.secretRef",
+        "pull": "spec.podTemplate.spec.imagePullSecrets[0]",
+        "hf": "spec.podTemplate.spec.containers[engine].env[0]",
+        "extra-env": "spec.podTemplate.spec.containers[engine].envFrom[0]",
+        "certs": "spec.podTemplate.spec.volumes[0].secret",
+        "bundle": "spec.podTemplate.spec.volumes[1].projected.sources[0]",
+    }
+    found = violations(idep, OperatorConfig(), {})
+    assert len(found) == len(used)
+    assert any("Secret loraplex/hf (spec.podTemplate.spec.containers[engine].env[0])" in v for v in found)
+    assert violations(idep, OperatorConfig(), ALLOWED) == []
+    assert violations(idep, OperatorConfig(), {SECRETS_LABEL: "yes"}) == found  # only the exact value
+
+
+def test_the_allow_list_permits_by_namespace_and_name() -> None:
+    idep = parse(body())  # namespace loraplex; loraplex-secrets and loraplex-adapter-store
+    config = OperatorConfig(allowed_secrets=("loraplex/loraplex-s*",))
+    remaining = violations(idep, config, {})
+    assert len(remaining) == 1 and "loraplex/loraplex-adapter-store" in remaining[0]
+    assert needs_namespace_labels(idep, config)
+    everything = OperatorConfig(allowed_secrets=("loraplex/*",))
+    assert violations(idep, everything, {}) == []
+    assert not needs_namespace_labels(idep, everything)  # no Namespace read needed
+    assert len(violations(idep, OperatorConfig(allowed_secrets=("other/*",)), {})) == 2
+
+
+def test_image_and_secret_violations_add_up() -> None:
+    idep = parse(body(engine={"image": "docker.io/someone/engine:1"}))
+    found = violations(idep, OperatorConfig(), {})
+    assert len(found) == 3 and "docker.io/someone/engine:1" in found[0]
+
+
+# --- against the API emulator ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def emulated() -> Iterator[Emulated]:
+    cluster = Cluster(engines=1)
+    cluster.start()
+    try:
+        emulated = Emulated(cluster)
+        yield emulated
+        emulated.close()
+    finally:
+        cluster.stop()
+
+
+def reconcile_live(emulated: Emulated, name: str, config: OperatorConfig) -> dict[str, Any]:
+    live = emulated.cluster.get("InferenceDeployment", name)
+    assert live is not None
+    return asyncio.run(reconcile(emulated.kube, live, config))
+
+
+def conditions(emulated: Emulated, name: str) -> dict[str, dict[str, Any]]:
+    live = emulated.cluster.get("InferenceDeployment", name) or {}
+    return {c["type"]: c for c in (live.get("status") or {}).get("conditions") or []}
+
+
+def test_a_refused_cr_gets_no_children_a_condition_and_an_event(emulated: Emulated) -> None:
+    cluster = emulated.cluster
+    cluster.create(inference_deployment("guarded"))
+    status = reconcile_live(emulated, "guarded", OperatorConfig())
+    assert status["phase"] == "Degraded"
+    for kind in ("Deployment", "Service", "ConfigMap", "PodDisruptionBudget"):
+        assert cluster.get(kind, "guarded-engine") is None, kind
+    degraded = conditions(emulated, "guarded")["Degraded"]
+    assert (degraded["status"], degraded["reason"]) == ("True", "PolicyViolation")
+    assert (
+        "Secret default/loraplex-secrets (spec.internalTokenSecretRef) is not permitted"
+        in degraded["message"]
+    )
+    assert f"label the namespace {SECRETS_LABEL}=allowed" in degraded["message"]
+    assert conditions(emulated, "guarded")["Ready"]["reason"] == "PolicyViolation"
+    warnings = emulated.events("guarded")
+    assert [(e["type"], e["reason"]) for e in warnings] == [(events.WARNING, events.POLICY_VIOLATION)]
+    assert warnings[0]["message"] == degraded["message"]
+    assert (
+        warnings[0]["involvedObject"]["uid"]
+        == cluster.get("InferenceDeployment", "guarded")["metadata"]["uid"]
+    )
+
+    # Re-evaluated on every pass; the same refusal is not announced again.
+    reconcile_live(emulated, "guarded", OperatorConfig())
+    assert cluster.get("Deployment", "guarded-engine") is None
+    assert [e.get("count", 1) for e in emulated.events("guarded")] == [1]
+
+    # The namespace label added later unblocks it.
+    emulated.label_namespace({SECRETS_LABEL: "allowed"})
+    status = reconcile_live(emulated, "guarded", OperatorConfig())
+    assert cluster.get("Deployment", "guarded-engine") is not None
+    assert conditions(emulated, "guarded")["Degraded"]["reason"] != "PolicyViolation"
+
+
+def test_a_refused_image_leaves_the_running_deployment_untouched(emulated: Emulated) -> None:
+    cluster = emulated.cluster
+    config = OperatorConfig(allowed_secrets=("default/*",))
+    cluster.create(inference_deployment("imaged"))
+    reconcile_live(emulated, "imaged", config)
+    before = cluster.get("Deployment", "imaged-engine")
+    assert before is not None
+    cluster.patch(
+        "InferenceDeployment", "imaged", {"spec": {"engine": {"image": "docker.io/someone/engine:1"}}}
+    )
+    reconcile_live(emulated, "imaged", config)
+    after = cluster.get("Deployment", "imaged-engine")
+    assert after is not None
+    assert after["spec"] == before["spec"]
+    assert after["metadata"]["annotations"] == before["metadata"]["annotations"]
+    degraded = conditions(emulated, "imaged")["Degraded"]
+    assert (
+        degraded["reason"] == "PolicyViolation" and "image docker.io/someone/engine:1" in degraded["message"]
+    )
+    assert [e["reason"] for e in emulated.events("imaged") if e["type"] == events.WARNING] == [
+        events.POLICY_VIOLATION
+    ]
+    # An admin who opts out of the image policy unblocks it.
+    reconcile_live(emulated, "imaged", OperatorConfig(allowed_secrets=("default/*",), allow_any_image=True))
+    container = cluster.get("Deployment", "imaged-engine")["spec"]["template"]["spec"]["containers"][0]
+    assert container["image"] == "docker.io/someone/engine:1"
