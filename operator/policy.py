@@ -17,7 +17,7 @@ import fnmatch
 from collections.abc import Mapping
 
 from loraplex.operator.config import OperatorConfig
-from loraplex.operator.kube import KubeClient
+from loraplex.operator.kube import KubeClient, KubeError
 from loraplex.operator.overlay import SecretReference, secret_references
 from loraplex.operator.spec import InferenceDeployment
 
@@ -79,7 +79,13 @@ def violations(
 
 async def namespace_labels(kube: KubeClient, namespace: str) -> dict[str, str]:
     """The namespace's labels; none when it cannot be found (then only the allow-list permits Secrets)."""
-    found = await kube.get_namespace(namespace)
+    try:
+        found = await kube.get_namespace(namespace)
+    except KubeError as error:
+        # Typically a 403: the operator's role lacks `get` on namespaces (the chart grants it).
+        raise KubeError(
+            error.status, f"cannot read Namespace {namespace} for the Secret policy: {error}"
+        ) from error
     return dict(((found or {}).get("metadata") or {}).get("labels") or {})
 
 

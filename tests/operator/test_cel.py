@@ -185,6 +185,7 @@ def test_the_crd_and_spec_py_share_their_limits() -> None:
     window = spec["autoscaling"]["properties"]["scaleDownStabilizationSeconds"]["maximum"]
     assert window == spec_module.MAX_STABILIZATION_SECONDS
     assert spec["engine"]["properties"]["image"]["maxLength"] == spec_module.MAX_IMAGE_LENGTH
+    assert spec["engine"]["properties"]["image"]["pattern"] == spec_module._IMAGE.pattern
     all_rules = " ".join(rule.rule for rule in rules())
     assert f"size(self.metadata.name) <= {spec_module.MAX_NAME_LENGTH}" in all_rules
     assert f"self.target >= {spec_module.MIN_HPA_TARGET}" in all_rules

@@ -9,8 +9,9 @@ from typing import Any
 
 import pytest
 
-from loraplex.operator import events
+from loraplex.operator import events, policy
 from loraplex.operator.config import DEFAULT_ALLOWED_IMAGES, OperatorConfig
+from loraplex.operator.kube import KubeError
 from loraplex.operator.main import reconcile
 from loraplex.operator.policy import (
     SECRETS_LABEL,
@@ -215,3 +216,18 @@ def test_a_refused_image_leaves_the_running_deployment_untouched(emulated: Emula
     reconcile_live(emulated, "imaged", OperatorConfig(allowed_secrets=("default/*",), allow_any_image=True))
     container = cluster.get("Deployment", "imaged-engine")["spec"]["template"]["spec"]["containers"][0]
     assert container["image"] == "docker.io/someone/engine:1"
+
+
+def test_a_namespace_the_operator_may_not_read_is_named_in_the_error() -> None:
+    class Forbidden:
+        async def get_namespace(self, name: str) -> dict[str, Any] | None:
+            raise KubeError(403, f'namespaces "{name}" is forbidden')
+
+    idep = parse(body())
+    with pytest.raises(
+        KubeError, match=r"cannot read Namespace loraplex for the Secret policy: .*403"
+    ) as raised:
+        asyncio.run(policy.check(Forbidden(), idep, OperatorConfig()))  # type: ignore[arg-type]
+    assert raised.value.status == 403
+    # Nothing to read when the allow-list covers every Secret.
+    assert asyncio.run(policy.check(Forbidden(), idep, OperatorConfig(allowed_secrets=("loraplex/*",)))) == []  # type: ignore[arg-type]
