@@ -7,6 +7,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+import jsonschema
 import pytest
 
 from loraplex.operator import spec as spec_module
@@ -199,3 +200,37 @@ def test_the_longest_name_fits_every_child() -> None:
     longest = _mutated(_set("metadata.name", "a" * spec_module.MAX_NAME_LENGTH))
     assert admission_errors(longest) == []
     assert len(f"{parse(longest).name}-engine") == 63
+
+
+def _nodes(schema: dict[str, Any], path: str = "") -> Any:
+    yield path or "<root>", schema
+    for key, sub in (schema.get("properties") or {}).items():
+        yield from _nodes(sub, f"{path}.{key}")
+    if isinstance(schema.get("additionalProperties"), dict):
+        yield from _nodes(schema["additionalProperties"], f"{path}.*")
+    if isinstance(schema.get("items"), dict):
+        yield from _nodes(schema["items"], f"{path}[]")
+
+
+def test_the_schema_is_structural_and_its_rules_are_bounded() -> None:
+    """What the API server checks when the CRD is created: a type on every node, defaults valid where they
+    sit, and (for the CEL cost budget) a size limit on every list or map a rule iterates."""
+    problems = []
+    for path, node in _nodes(crd_schema()):
+        if "type" not in node and not node.get("x-kubernetes-preserve-unknown-fields"):
+            problems.append(f"{path}: no type")
+        if "properties" in node and isinstance(node.get("additionalProperties"), dict):
+            problems.append(f"{path}: properties and additionalProperties")
+        if "default" in node and schema_errors_at(node, node["default"]):
+            problems.append(f"{path}: default {node['default']!r} is invalid")
+        for rule in node.get("x-kubernetes-validations") or []:
+            iterates = ".all(" in rule["rule"] or ".exists(" in rule["rule"]
+            if iterates and "maxItems" not in node and "maxProperties" not in node:
+                problems.append(f"{path}: rule {rule['rule']!r} iterates an unbounded collection")
+        if node.get("type") == "string" and path.endswith("[]") and "maxLength" not in node:
+            problems.append(f"{path}: list of unbounded strings")
+    assert problems == []
+
+
+def schema_errors_at(node: dict[str, Any], value: Any) -> list[str]:
+    return [error.message for error in jsonschema.Draft4Validator(node).iter_errors(value)]
