@@ -13,12 +13,14 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
 from fastapi.testclient import TestClient
 from openai import NotFoundError, OpenAI, UnprocessableEntityError
 from openai.types.chat import ChatCompletionMessageParam
@@ -33,7 +35,18 @@ from loraplex.web.services.engine_sync import engine_sync_of, stale_names
 from tests.cluster.proxy import forward
 from tests.engine.server.conftest import TOKEN, Server, running_server
 
-from .conftest import ADMIN, FILES, SHAPE, Api, _admin_sql, _with_database, loose, make_settings, upload
+from .conftest import (
+    ADMIN,
+    ENGINE_INTERNAL_TOKEN,
+    FILES,
+    SHAPE,
+    Api,
+    _admin_sql,
+    _with_database,
+    loose,
+    make_settings,
+    upload,
+)
 from .console_client import CSRF, make_user, sign_in
 from .servers import serve
 
@@ -212,6 +225,86 @@ def test_a_delete_never_waits_for_an_engine_that_does_not_answer(
 
 
 # -- engines forget deleted adapters ------------------------------------------------------------------
+
+
+@dataclass
+class RegistryStub:
+    """An engine's internal adapter endpoints, and nothing else: what it holds, what it was told."""
+
+    names: list[str]
+    not_ready: set[str] = field(default_factory=set)  # refused 503 not_ready, as a loading engine does
+    deletes: list[str] = field(default_factory=list)
+    token: str = ENGINE_INTERNAL_TOKEN
+
+    def app(self) -> FastAPI:
+        app = FastAPI()
+
+        @app.get(wire.ADAPTERS_PATH)
+        def listed(request: Request) -> Response:
+            if request.headers.get(wire.INTERNAL_TOKEN_HEADER) != self.token:
+                return JSONResponse(
+                    wire.error_body("no", wire.INVALID_REQUEST, wire.INVALID_INTERNAL_TOKEN), 401
+                )
+            data = [{"name": n, "sha256": "0" * 64, "resident": True, "failed": None} for n in self.names]
+            return JSONResponse({"object": "list", "data": data})
+
+        @app.delete(wire.ADAPTERS_PATH + "/{name:path}")
+        def forget(name: str) -> Response:
+            self.deletes.append(name)
+            if name in self.not_ready:
+                return JSONResponse(wire.error_body("loading", wire.SERVER_ERROR, wire.NOT_READY), 503)
+            if name not in self.names:
+                return JSONResponse(wire.error_body("?", wire.INVALID_REQUEST, wire.ADAPTER_NOT_FOUND), 404)
+            self.names.remove(name)
+            return JSONResponse({"name": name, "deleted": True, "draining": False})
+
+        return app
+
+
+def test_a_delete_wakes_the_sync_and_every_replica_of_every_deployment_forgets_it(
+    api: Api, client: TestClient, peft_dir: Path
+) -> None:
+    with contextlib.ExitStack() as stack:
+        first, second = RegistryStub([]), RegistryStub([])
+        first_url, second_url = (stack.enter_context(serve(stub.app())) for stub in (first, second))
+        api.deployment("tiny", "tiny-llama", [first_url, second_url], shape=SHAPE)
+        api.deployment("other", "tiny-other", [second_url], shape=SHAPE)  # listed once, asked once
+        _, headers = api.tenant_with_key("acme")
+        kept = wire.adapter_name(upload(client, headers, loose(peft_dir), name="kept").json()["id"])
+        gone = wire.adapter_name(upload(client, headers, loose(peft_dir), name="gone").json()["id"])
+        first.names[:] = [gone, kept, "uppercase"]  # "uppercase": given to the engine by a flag
+        second.names[:] = [gone]  # it served the adapter before it moved
+
+        assert client.delete("/api/v1/adapters/gone", headers=headers).status_code == 204
+        # The test app's interval is 30 s: what happens now happens because the delete woke the sync.
+        wait_for(
+            lambda: first.names == [kept, "uppercase"] and second.names == [], "both replicas to forget it"
+        )
+        assert first.deletes == second.deletes == [gone]
+
+
+def test_a_replica_that_refuses_for_now_is_asked_again_on_the_next_pass(
+    api: Api, client: TestClient, peft_dir: Path
+) -> None:
+    with contextlib.ExitStack() as stack:
+        busy, locked = RegistryStub([]), RegistryStub([], token="another-token")
+        busy_url, locked_url = (stack.enter_context(serve(stub.app())) for stub in (busy, locked))
+        api.deployment("tiny", "tiny-llama", [busy_url, locked_url], shape=SHAPE)
+        _, headers = api.tenant_with_key("acme")
+        name = wire.adapter_name(upload(client, headers, loose(peft_dir)).json()["id"])
+        busy.names[:], busy.not_ready = [name], {name}
+        locked.names[:] = [name]
+        assert client.delete("/api/v1/adapters/a1", headers=headers).status_code == 204
+
+        sync = engine_sync_of(client.app)
+        assert sync is not None
+        report = client.portal.call(sync.run_pass)  # type: ignore[union-attr]
+        assert report.pending == {busy_url: [name]} and busy.names == [name]
+        assert "401" in report.unreachable[locked_url]  # a control plane with the wrong token: said so
+        busy.not_ready.clear()
+        client.portal.call(sync.run_pass)  # type: ignore[union-attr]
+        assert busy.names == [] and busy.deletes == [name] * len(busy.deletes) and len(busy.deletes) >= 2
+        assert locked.names == [name] and locked.deletes == []  # it listed nothing to us: nothing sent
 
 
 class SwitchableProxy:

@@ -98,7 +98,8 @@ async def registrations(http: httpx.AsyncClient, replica: str, token: str, timeo
         replica + wire.ADAPTERS_PATH, headers={wire.INTERNAL_TOKEN_HEADER: token}, timeout=timeout
     )
     response.raise_for_status()
-    data = response.json().get("data")
+    body = response.json()
+    data = body.get("data") if isinstance(body, dict) else None
     if not isinstance(data, list) or len(data) > MAX_LISTED:
         raise ValueError(f"{replica}{wire.ADAPTERS_PATH} did not answer a list of adapters")
     return [e["name"] for e in data if isinstance(e, dict) and isinstance(e.get("name"), str)]
@@ -114,8 +115,9 @@ async def unregister(http: httpx.AsyncClient, replica: str, name: str, token: st
     if response.is_success:
         return True
     error = wire.parse_error(response.content)
-    # adapter_in_use: an engine that refuses to unregister while requests run it; they end soon.
-    log.info(
+    # Not for the adapter's sake (an engine drains one still in use and answers 200): the engine is not
+    # ready (loading, shutting down), refuses our token, or failed. Said, and asked again next pass.
+    log.warning(
         "%s did not unregister %s yet (%s): %s",
         replica,
         name,
@@ -198,6 +200,7 @@ class EngineSync:
         self.passes = 0  # completed passes (tests wait on it)
         self.last: SyncReport | None = None
         self._wake = asyncio.Event()
+        self._one_pass = asyncio.Lock()  # the loop's passes and one run by hand never overlap
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task[None] | None = None
 
@@ -233,13 +236,14 @@ class EngineSync:
                 log.exception("engine sync pass failed")
 
     async def run_pass(self) -> SyncReport:
-        failed = await run_in_threadpool(_fail_interrupted, self.db)
-        if failed:
-            log.warning("failed %d upload(s) interrupted before they were validated", failed)
-        report = await sync_once(self.http, self.db, self.router, self.token, self.timeout_s)
-        self.last = report
-        self.passes += 1
-        return report
+        async with self._one_pass:
+            failed = await run_in_threadpool(_fail_interrupted, self.db)
+            if failed:
+                log.warning("failed %d upload(s) interrupted before they were validated", failed)
+            report = await sync_once(self.http, self.db, self.router, self.token, self.timeout_s)
+            self.last = report
+            self.passes += 1
+            return report
 
 
 def engine_sync_of(app: Any) -> EngineSync | None:
