@@ -10,6 +10,7 @@ from typing import Any
 
 import aiohttp
 import kopf
+import kubernetes_validate
 import pytest
 
 from loraplex.operator import events
@@ -19,6 +20,7 @@ from loraplex.operator.main import autoscale_once, reconcile
 from loraplex.operator.spec import parse
 from tests.operator.cluster import NAMESPACE, Cluster, wait_for
 from tests.operator.emulated import Emulated, inference_deployment
+from tests.operator.helpers import KUBE_VERSION, body
 
 pytestmark = pytest.mark.timeout(90)
 CONFIG = OperatorConfig(allowed_secrets=(f"{NAMESPACE}/*",))
@@ -159,3 +161,19 @@ def test_the_same_event_again_counts_up(emulated: Emulated) -> None:
     tested = [e for e in emulated.events(NAME) if e["reason"] == "Tested"]
     assert len(tested) == 1 and tested[0]["count"] == 3
     assert tested[0]["firstTimestamp"] <= tested[0]["lastTimestamp"]
+
+
+def test_the_event_is_a_valid_core_v1_event() -> None:
+    subject = body(uid="3f6c1f0e-1111-4222-8333-444455556666")
+    event = events.event_body(subject, events.WARNING, "Tested", "x" * 5000, "2026-11-23T17:00:00Z", "op-0")
+    kubernetes_validate.validate(event, KUBE_VERSION, strict=True)
+    assert len(event["message"]) == events.MAX_MESSAGE and event["message"].endswith("...")
+    assert event["metadata"]["namespace"] == event["involvedObject"]["namespace"] == "loraplex"
+    # The name is the same for the same event and differs for another message or another incarnation.
+    again = events.event_body(subject, events.WARNING, "Tested", "x" * 5000, "2026-11-23T18:00:00Z", "op-1")
+    assert again["metadata"]["name"] == event["metadata"]["name"]
+    other = events.event_body(subject, events.WARNING, "Tested", "y", "2026-11-23T17:00:00Z", "op-0")
+    assert other["metadata"]["name"] != event["metadata"]["name"]
+    reborn = body(uid="another")
+    renamed = events.event_body(reborn, events.WARNING, "Tested", "x" * 5000, "2026-11-23T17:00:00Z", "op-0")
+    assert renamed["metadata"]["name"] != event["metadata"]["name"]
