@@ -117,8 +117,12 @@ class PodTemplateOverlay:
 
 @dataclass(frozen=True)
 class SecretReference:
+    """A credential the pod gets: a Secret, or a ServiceAccount (workload-identity webhooks hand its cloud
+    role to the pod)."""
+
     name: str
     field: str  # where the CR names it, for the policy's message
+    kind: str = "Secret"
 
 
 def parse_pod_template(raw: Any) -> PodTemplateOverlay:
@@ -146,13 +150,18 @@ def parse_pod_template(raw: Any) -> PodTemplateOverlay:
 
 
 def secret_references(overlay: PodTemplateOverlay) -> list[SecretReference]:
-    """Every Secret the overlay makes the pod read: pull secrets, env, envFrom and volumes."""
+    """Every credential the overlay gives the pod: pull secrets, env, envFrom, secret, projected and CSI
+    volumes, and the ServiceAccount."""
     where = f"{WHERE}.spec"
     spec = overlay.spec
     found = [
         SecretReference(item["name"], f"{where}.imagePullSecrets[{i}]")
         for i, item in enumerate(spec.get("imagePullSecrets") or [])
     ]
+    if spec.get("serviceAccountName"):
+        found.append(
+            SecretReference(spec["serviceAccountName"], f"{where}.serviceAccountName", "ServiceAccount")
+        )
     for container in spec.get("containers") or []:
         for i, var in enumerate(container.get("env") or []):
             ref = (var.get("valueFrom") or {}).get("secretKeyRef")
@@ -166,6 +175,11 @@ def secret_references(overlay: PodTemplateOverlay) -> list[SecretReference]:
     for i, volume in enumerate(spec.get("volumes") or []):
         if volume.get("secret"):
             found.append(SecretReference(volume["secret"]["secretName"], f"{where}.volumes[{i}].secret"))
+        csi_secret = (volume.get("csi") or {}).get("nodePublishSecretRef")
+        if csi_secret:
+            found.append(
+                SecretReference(csi_secret["name"], f"{where}.volumes[{i}].csi.nodePublishSecretRef")
+            )
         for j, source in enumerate((volume.get("projected") or {}).get("sources") or []):
             if source.get("secret"):
                 found.append(
@@ -404,16 +418,18 @@ def _check_volumes(raw: Any, where: str) -> None:
         source = _mapping(volume[sources[0]], f"{where}[{i}].{sources[0]}")
         if sources[0] == "secret":
             _name(source.get("secretName"), f"{where}[{i}].secret.secretName")
+        if sources[0] == "csi" and "nodePublishSecretRef" in source:
+            ref = _mapping(
+                source["nodePublishSecretRef"], f"{where}[{i}].csi.nodePublishSecretRef", ("name",)
+            )
+            _name(ref.get("name"), f"{where}[{i}].csi.nodePublishSecretRef.name")
         if sources[0] == "projected":
-            for j, projection in enumerate(
-                _list(source.get("sources") or [], f"{where}[{i}].projected.sources")
-            ):
-                secret = _mapping(projection, f"{where}[{i}].projected.sources[{j}]").get("secret")
-                if secret is not None:
-                    _name(
-                        _mapping(secret, "secret").get("name"),
-                        f"{where}[{i}].projected.sources[{j}].secret.name",
-                    )
+            for j, item in enumerate(_list(source.get("sources") or [], f"{where}[{i}].projected.sources")):
+                at = f"{where}[{i}].projected.sources[{j}]"
+                # No serviceAccountToken: the engine gets no API token (workload identity injects its own).
+                projection = _mapping(item, at, ("secret", "configMap", "downwardAPI", "clusterTrustBundle"))
+                if projection.get("secret") is not None:
+                    _name(_mapping(projection["secret"], f"{at}.secret").get("name"), f"{at}.secret.name")
 
 
 def _check_mounted_volumes_exist(spec: Mapping[str, Any]) -> None:

@@ -5,8 +5,10 @@ Secrets it mounts into it: a path to any Secret of the namespace, and to any cod
 - the image must match one of the operator's `allowed_images` globs (default: the project's engine image,
   config.DEFAULT_ALLOWED_IMAGES) unless the admin set `allow_any_image`;
 - every Secret the pod reads (the internal token, the store credentials, and the podTemplate's pull
-  secrets, env, envFrom and volumes) must be in a namespace labelled `loraplex.io/engine-secrets=allowed`,
-  or match one of `allowed_secrets` (`namespace/name` globs).
+  secrets, env, envFrom, secret, projected and CSI volumes) must be in a namespace labelled
+  `loraplex.io/engine-secrets=allowed`, or match one of `allowed_secrets` (`namespace/name` globs). A
+  podTemplate ServiceAccount is a credential too (workload-identity webhooks hand the pod its cloud role),
+  under the same rule.
 A refused CR gets no children created or changed; reconcile re-evaluates on every pass, so labelling the
 namespace later unblocks it. `violations` is pure; `namespace_labels` is the one read it needs.
 """
@@ -26,15 +28,16 @@ SECRETS_LABEL_VALUE = "allowed"
 
 
 def secrets_used(idep: InferenceDeployment) -> list[SecretReference]:
-    """Every Secret the engine pods read, with the CR field that names it (first mention wins)."""
+    """Every credential the engine pods get (Secrets, and a ServiceAccount), with the CR field that names
+    it (first mention of a name wins)."""
     spec = idep.spec
     found = [SecretReference(spec.internal_token.name, "spec.internalTokenSecretRef")]
     if spec.adapter_store is not None and spec.adapter_store.secret_name:
         found.append(SecretReference(spec.adapter_store.secret_name, "spec.adapterStore.secretRef"))
     found.extend(secret_references(spec.pod_template))
-    unique: dict[str, SecretReference] = {}
+    unique: dict[tuple[str, str], SecretReference] = {}
     for reference in found:
-        unique.setdefault(reference.name, reference)
+        unique.setdefault((reference.kind, reference.name), reference)
     return list(unique.values())
 
 
@@ -70,7 +73,7 @@ def violations(
     for secret in secrets_used(idep):
         if not secret_allow_listed(idep.namespace, secret.name, config):
             found.append(
-                f"Secret {idep.namespace}/{secret.name} ({secret.field}) is not permitted: label the "
+                f"{secret.kind} {idep.namespace}/{secret.name} ({secret.field}) is not permitted: label the "
                 f"namespace {SECRETS_LABEL}={SECRETS_LABEL_VALUE}, or an admin adds it to "
                 "LORAPLEX_OPERATOR_ALLOWED_SECRETS (chart: operator.policy.allowedSecrets)"
             )

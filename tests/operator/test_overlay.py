@@ -170,6 +170,16 @@ def test_the_overlay_changes_the_pods_hash_so_they_roll() -> None:
         ),
         ({"spec": {"volumes": [{"name": "tmp", "emptyDir": {}}]}}, "tmp is a volume the operator defines"),
         ({"spec": {"volumes": [{"name": "host", "hostPath": {"path": "/"}}]}}, "got hostPath"),
+        (
+            {
+                "spec": {
+                    "volumes": [
+                        {"name": "t", "projected": {"sources": [{"serviceAccountToken": {"path": "t"}}]}}
+                    ]
+                }
+            },
+            "sources[0].serviceAccountToken is not supported",
+        ),
         ({"metadata": {"labels": {"app.kubernetes.io/instance": "x"}}}, "set by the operator (selectors"),
         (
             {"metadata": {"annotations": {"loraplex.dev/config-hash": "x"}}},

@@ -33,6 +33,7 @@ def overlay_with_secrets() -> dict[str, Any]:
     return {
         "spec": {
             "imagePullSecrets": [{"name": "pull"}],
+            "serviceAccountName": "engine-identity",
             "containers": [
                 {
                     "name": "engine",
@@ -46,6 +47,10 @@ def overlay_with_secrets() -> dict[str, Any]:
             "volumes": [
                 {"name": "certs", "secret": {"secretName": "certs"}},
                 {"name": "bundle", "projected": {"sources": [{"secret": {"name": "bundle"}}]}},
+                {
+                    "name": "vault",
+                    "csi": {"driver": "secrets-store.csi.k8s.io", "nodePublishSecretRef": {"name": "csi"}},
+                },
             ],
         }
     }
@@ -95,7 +100,12 @@ def test_default_image_policy_is_the_project_engine_image() -> None:
 def test_every_secret_the_pod_reads_is_checked() -> None:
     idep = parse(body(podTemplate=overlay_with_secrets()))
     used = {s.name: s.field for s in secrets_used(idep)}
+    assert {s.name: s.kind for s in secrets_used(idep) if s.kind != "Secret"} == {
+        "engine-identity": "ServiceAccount"
+    }
     assert used == {
+        "engine-identity": "spec.podTemplate.spec.serviceAccountName",
+        "csi": "spec.podTemplate.spec.volumes[2].csi.nodePublishSecretRef",
         "loraplex-secrets": "spec.internalTokenSecretRef",
         "loraplex-adapter-store": "spec.adapterStore.secretRef",
         "pull": "spec.podTemplate.spec.imagePullSecrets[0]",
@@ -107,6 +117,10 @@ def test_every_secret_the_pod_reads_is_checked() -> None:
     found = violations(idep, OperatorConfig(), {})
     assert len(found) == len(used)
     assert any("Secret loraplex/hf (spec.podTemplate.spec.containers[engine].env[0])" in v for v in found)
+    assert any(
+        "ServiceAccount loraplex/engine-identity (spec.podTemplate.spec.serviceAccountName)" in v
+        for v in found
+    )
     assert violations(idep, OperatorConfig(), ALLOWED) == []
     assert violations(idep, OperatorConfig(), {SECRETS_LABEL: "yes"}) == found  # only the exact value
 
