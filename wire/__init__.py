@@ -63,7 +63,6 @@ ADAPTER_SHA256_INVALID = "adapter_sha256_invalid"
 ADAPTER_FETCH_FAILED = "adapter_fetch_failed"  # registering: nothing usable at the URI (400)
 ADAPTER_INVALID = "adapter_invalid"  # registering: the artifact fails validation or its digest (422)
 ADAPTER_NOT_FOUND = "adapter_not_found"  # unregistering a name the engine does not hold
-ADAPTER_IN_USE = "adapter_in_use"  # unregistering an adapter running requests use
 
 
 @dataclass(frozen=True)
@@ -188,8 +187,8 @@ def adapter_from_headers(headers: Mapping[str, str]) -> AdapterRef | None:
 
 # -- the engine's internal adapter endpoints ----------------------------------------------------------------
 # GET ADAPTERS_PATH lists {"object": "list", "data": [AdapterEntry...]}; POST ADAPTERS_PATH with an
-# AdapterRegistration registers (201 {"name", "sha256", "registered": true}); DELETE adapter_path(name)
-# unregisters (200 {"name", "deleted": true, "draining": bool}: new requests for it are refused at once, and
+# AdapterRegistration registers (201 Registered); DELETE adapter_path(name) unregisters (200 Unregistered:
+# {"name", "deleted": true, "draining": bool}; new requests for it are refused at once, and
 # while requests still use it it drains, forgotten when the last ends; 404 adapter_not_found). All need the
 # internal token.
 
@@ -221,3 +220,19 @@ class AdapterEntry(TypedDict):
     sha256: str
     resident: bool  # its weights are in the device pool now
     failed: str | None  # why the engine refuses these weights, if it does
+
+
+class Registered(TypedDict):
+    """POST ADAPTERS_PATH's answer: the digest of the weights the engine registered."""
+
+    name: str
+    sha256: str
+    registered: bool
+
+
+class Unregistered(TypedDict):
+    """DELETE adapter_path(name)'s answer; `draining`: requests still use it, it is forgotten after them."""
+
+    name: str
+    deleted: bool
+    draining: bool

@@ -583,22 +583,22 @@ def _add_adapter_routes(app: FastAPI, state: ServerState) -> None:
         engine = state.serving()
 
         data = [
-            {"name": a.name, "sha256": a.sha256, "resident": a.resident, "failed": a.failed}
+            wire.AdapterEntry(name=a.name, sha256=a.sha256, resident=a.resident, failed=a.failed)
             for a in await engine.adapters()
         ]
         return {"object": "list", "data": data}
 
-    @app.post(wire.ADAPTERS_PATH, status_code=201)
-    async def register_adapter(body: protocol.AdapterRegistration, request: Request) -> dict[str, Any]:
+    @app.post(wire.ADAPTERS_PATH, status_code=201, response_model=None)
+    async def register_adapter(body: protocol.AdapterRegistration, request: Request) -> wire.Registered:
         state.require_internal(request)
         engine = state.serving()
         if state.is_base_model(body.name):
             raise bad_request(f"{body.name!r} is the base model's name; pick another adapter name", "name")
         manifest = await state.register(engine, body.name, body.uri, body.sha256)
-        return {"name": body.name, "sha256": manifest.sha256, "registered": True}
+        return wire.Registered(name=body.name, sha256=manifest.sha256, registered=True)
 
-    @app.delete(wire.ADAPTERS_PATH + "/{name:path}")
-    async def unregister_adapter(name: str, request: Request) -> dict[str, Any]:
+    @app.delete(wire.ADAPTERS_PATH + "/{name:path}", response_model=None)
+    async def unregister_adapter(name: str, request: Request) -> wire.Unregistered:
         state.require_internal(request)
         engine = state.serving()
         try:
@@ -610,7 +610,7 @@ def _add_adapter_routes(app: FastAPI, state: ServerState) -> None:
         # New requests for it are refused from now on; while some still use it, it drains and is
         # forgotten (pages and host copy freed) when the last one ends.
         log.info("unregistered adapter %s%s", name, "" if forgotten else " (draining)")
-        return {"name": name, "deleted": True, "draining": not forgotten}
+        return wire.Unregistered(name=name, deleted=True, draining=not forgotten)
 
 
 def sampling_temperature(requested: float | None) -> float:
