@@ -234,3 +234,51 @@ def test_the_schema_is_structural_and_its_rules_are_bounded() -> None:
 
 def schema_errors_at(node: dict[str, Any], value: Any) -> list[str]:
     return [error.message for error in jsonschema.Draft4Validator(node).iter_errors(value)]
+
+
+def _numeric_fields() -> list[tuple[str, str, dict[str, Any]]]:
+    spec = crd_schema()["properties"]["spec"]["properties"]
+    found = []
+    for section, node in spec.items():
+        for key, field in (node.get("properties") or {}).items():
+            if field.get("type") in ("integer", "number") and ("minimum" in field or "maximum" in field):
+                found.append((section, key, field))
+    return found
+
+
+# What a boundary value needs around it to be valid otherwise.
+_CONTEXT: dict[tuple[str, str], dict[str, Any]] = {
+    ("replicas", "min"): {"max": spec_module.MAX_REPLICAS},
+    ("rollout", "maxUnavailable"): {"strategy": "Replace"},
+}
+
+
+@pytest.mark.parametrize(
+    ("section", "key", "field"), _numeric_fields(), ids=[f"{s}.{k}" for s, k, _ in _numeric_fields()]
+)
+def test_numeric_limits_are_the_same_in_the_crd_and_spec_py(
+    section: str, key: str, field: dict[str, Any]
+) -> None:
+    def attempt(value: float) -> tuple[bool, bool]:
+        """(admitted by the schema, accepted by spec.py) for the field at `value`."""
+        section_value = {**body()["spec"].get(section, {}), **_CONTEXT.get((section, key), {}), key: value}
+        if section == "autoscaling":
+            section_value.setdefault("metric", "running_requests")
+        candidate = _mutated(_set(f"spec.{section}", section_value))
+        try:
+            parse(candidate)
+            parsed = True
+        except SpecError:
+            parsed = False
+        return not admission_errors(candidate), parsed
+
+    step = 1 if field["type"] == "integer" else 0.001
+    if "maximum" in field:
+        assert attempt(field["maximum"]) == (True, True)
+        assert attempt(field["maximum"] + step) == (False, False)
+    if "minimum" in field:
+        exclusive = field.get("exclusiveMinimum") is True
+        assert attempt(field["minimum"]) == ((False, False) if exclusive else (True, True))
+        assert attempt(field["minimum"] + step if exclusive else field["minimum"] - step) == (
+            (True, True) if exclusive else (False, False)
+        )
