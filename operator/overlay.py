@@ -69,6 +69,21 @@ VOLUME_SOURCES = frozenset(
     }
 )
 SECCOMP_TYPES = ("RuntimeDefault", "Localhost")
+# Size limits, the CRD's maxItems/maxProperties too (they also bound the CEL rules' cost); test_cel.py
+# checks the two agree.
+MAX_ITEMS = {
+    "labels": 64,
+    "annotations": 64,
+    "nodeSelector": 64,
+    "tolerations": 32,
+    "imagePullSecrets": 16,
+    "supplementalGroups": 32,
+    "env": 128,
+    "envFrom": 16,
+    "volumeMounts": 32,
+    "volumes": 32,
+    "containers": 1,  # the engine's, once
+}
 
 _SPEC_KEYS = (
     "nodeSelector",
@@ -261,11 +276,19 @@ def _mapping(raw: Any, where: str, allowed: tuple[str, ...] | None = None) -> Ma
 def _list(raw: Any, where: str) -> list[Any]:
     if not isinstance(raw, list):
         raise OverlayError(f"{where} must be a list")
+    _check_size(raw, where)
     return raw
+
+
+def _check_size(raw: list[Any] | Mapping[str, Any], where: str) -> None:
+    limit = MAX_ITEMS.get(where.rsplit(".", 1)[-1])
+    if limit is not None and len(raw) > limit:
+        raise OverlayError(f"{where} has {len(raw)} entries; at most {limit}")
 
 
 def _string_map(raw: Any, where: str, value_pattern: re.Pattern[str] | None) -> dict[str, str]:
     result: dict[str, str] = {}
+    _check_size(_mapping(raw, where), where)
     for key, value in _mapping(raw, where).items():
         if not isinstance(key, str) or not _QUALIFIED_NAME.fullmatch(key):
             raise OverlayError(f"{where}: key {key!r} is not a qualified name such as example.com/team")
@@ -317,10 +340,8 @@ def _check_security_context(raw: Any, where: str) -> None:
         low = 1 if key == "runAsUser" else 0
         if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= 2**31 - 1:
             raise OverlayError(f"{where}.{key} is {value!r}; use an id from {low} (root is refused)")
-    groups = context.get("supplementalGroups", [])
-    if not isinstance(groups, list) or not all(
-        isinstance(g, int) and not isinstance(g, bool) for g in groups
-    ):
+    groups = _list(context.get("supplementalGroups", []), f"{where}.supplementalGroups")
+    if not all(isinstance(g, int) and not isinstance(g, bool) and g >= 0 for g in groups):
         raise OverlayError(f"{where}.supplementalGroups must be a list of group ids")
     if context.get("fsGroupChangePolicy", "Always") not in ("Always", "OnRootMismatch"):
         raise OverlayError(f"{where}.fsGroupChangePolicy must be Always or OnRootMismatch")

@@ -42,6 +42,8 @@ MAX_TARGET = 1e9
 # The HPA's target is a Kubernetes quantity with milli precision: 0.001 is the smallest that is not 0.
 MIN_HPA_TARGET = 0.001
 MAX_STABILIZATION_SECONDS = 3600
+MAX_EXTRA_ARGS = 64
+MAX_EXTRA_ARG_LENGTH = 1024
 
 _QUANTITY = r"[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|K|M|G|T)?"
 _CPU = re.compile(r"^[0-9]+(\.[0-9]+)?m?$")
@@ -250,6 +252,11 @@ def _parse_engine(raw: Mapping[str, Any]) -> EngineSpec:
     extra = raw.get("extraArgs", [])
     if not isinstance(extra, list) or not all(isinstance(arg, str) for arg in extra):
         raise SpecError("spec.engine.extraArgs must be a list of strings, e.g. ['--max-num-seqs', '32']")
+    if len(extra) > MAX_EXTRA_ARGS or any(len(arg) > MAX_EXTRA_ARG_LENGTH for arg in extra):
+        raise SpecError(
+            f"spec.engine.extraArgs takes at most {MAX_EXTRA_ARGS} arguments of at most "
+            f"{MAX_EXTRA_ARG_LENGTH} characters each"
+        )
     for arg in extra:
         if arg.split("=", 1)[0] in MANAGED_ARGS:
             raise SpecError(

@@ -11,7 +11,7 @@ import jsonschema
 import pytest
 
 from loraplex.operator import spec as spec_module
-from loraplex.operator.overlay import OPERATOR_ENV, OPERATOR_LABELS
+from loraplex.operator.overlay import MAX_ITEMS, OPERATOR_ENV, OPERATOR_LABELS
 from loraplex.operator.spec import SpecError, parse
 from tests.operator.crd_validation import admission_errors, cel_failures, rules, schema_errors
 from tests.operator.helpers import EXAMPLES, body, crd_schema, load_yaml
@@ -282,3 +282,22 @@ def test_numeric_limits_are_the_same_in_the_crd_and_spec_py(
         assert attempt(field["minimum"] + step if exclusive else field["minimum"] - step) == (
             (True, True) if exclusive else (False, False)
         )
+
+
+def test_the_size_limits_are_the_same_in_the_crd_and_spec_py() -> None:
+    extra = crd_schema()["properties"]["spec"]["properties"]["engine"]["properties"]["extraArgs"]
+    assert (extra["maxItems"], extra["items"]["maxLength"]) == (
+        spec_module.MAX_EXTRA_ARGS,
+        spec_module.MAX_EXTRA_ARG_LENGTH,
+    )
+    with pytest.raises(SpecError, match="at most 64 arguments"):
+        parse(_mutated(_set("spec.engine.extraArgs", ["--x"] * 65)))
+    limits = {}
+    for path, node in _nodes(crd_schema()["properties"]["spec"]["properties"]["podTemplate"]):
+        size = node.get("maxItems", node.get("maxProperties"))
+        if size is not None:
+            limits[path.rsplit(".", 1)[-1]] = size
+    assert limits == MAX_ITEMS
+    too_many = {"spec": {"tolerations": [{"key": str(i), "operator": "Exists"} for i in range(33)]}}
+    with pytest.raises(SpecError, match=r"spec.podTemplate.spec.tolerations has 33 entries; at most 32"):
+        parse(_mutated(_set("spec.podTemplate", too_many)))
