@@ -31,6 +31,7 @@ from loraplex.adapters import LocalArtifactStore
 from loraplex.web.app import create_app
 from loraplex.web.db.models import Adapter, AdapterStatus
 from loraplex.web.services import adapters as adapters_service
+from loraplex.web.services import engine_sync
 from loraplex.web.services.engine_sync import engine_sync_of, stale_names
 from tests.cluster.proxy import forward
 from tests.engine.server.conftest import TOKEN, Server, running_server
@@ -186,6 +187,9 @@ def test_the_sync_unregisters_only_gateway_names_whose_adapter_is_not_ready(
         assert stale_names(session, names) == sorted(
             [wire.adapter_name(failed), wire.adapter_name(deleted), "id:not-a-uuid"]
         )
+        # An engine holding more than one query's worth of ids: looked up in batches, the ready one last.
+        many = [wire.adapter_name(uuid.uuid4()) for _ in range(engine_sync.ID_BATCH * 2 + 7)]
+        assert stale_names(session, [*many, wire.adapter_name(ready)]) == sorted(many)
 
 
 def test_the_console_shows_a_failed_adapter_with_its_reason_and_what_to_do(

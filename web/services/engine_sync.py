@@ -44,6 +44,8 @@ log = logging.getLogger("loraplex.web.engine_sync")
 PARALLEL_REPLICAS = 16
 # A registration list longer than this is not an engine's (one entry per adapter it has been sent).
 MAX_LISTED = 100_000
+# Ids looked up per query: well under SQLite's bound on parameters, small enough for any planner.
+ID_BATCH = 500
 
 
 @dataclass
@@ -81,14 +83,17 @@ def stale_names(session: Session, names: Iterable[str]) -> list[str]:
             by_id[uuid.UUID(text or "")] = name
         except ValueError:  # not an id the gateway makes: nothing in the database can want it
             stale.append(name)
-    if by_id:
-        ready = set(
+    ids = list(by_id)
+    ready: set[uuid.UUID] = set()
+    for start in range(0, len(ids), ID_BATCH):
+        batch = ids[start : start + ID_BATCH]
+        ready.update(
             session.scalars(
-                select(Adapter.id).where(Adapter.id.in_(list(by_id)), Adapter.status == AdapterStatus.READY)
+                select(Adapter.id).where(Adapter.id.in_(batch), Adapter.status == AdapterStatus.READY)
             )
         )
-        session.rollback()
-        stale.extend(name for adapter_id, name in by_id.items() if adapter_id not in ready)
+    session.rollback()
+    stale.extend(name for adapter_id, name in by_id.items() if adapter_id not in ready)
     return sorted(stale)
 
 
