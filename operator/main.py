@@ -13,6 +13,7 @@ its object is gone. Several replicas may run: kopf peering keeps one active (pee
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import datetime
 import logging
@@ -99,6 +100,7 @@ async def owned_deployment_changed(body: kopf.Body, memo: kopf.Memo, **_: Any) -
 # Without a backoff kopf cancels at once and logs the escalation on every stop.
 CANCELLATION_BACKOFF_S = 5.0
 CANCELLATION_TIMEOUT_S = 5.0
+STOP_POLL_S = 1.0  # how often a sleeping daemon looks at `stopped`; well inside the backoff
 
 
 @kopf.daemon(
@@ -109,7 +111,7 @@ CANCELLATION_TIMEOUT_S = 5.0
     cancellation_timeout=CANCELLATION_TIMEOUT_S,
 )
 async def resync(body: kopf.Body, memo: kopf.Memo, stopped: kopf.DaemonStopped, **_: Any) -> None:
-    while not await stopped.wait(memo.config.resync_seconds):
+    while not await sleep_unless_stopped(stopped, memo.config.resync_seconds):
         if not await still_exists(memo.kube, body):
             return
         await reconcile_quietly(memo.kube, body, memo.config)
@@ -125,7 +127,7 @@ async def resync(body: kopf.Body, memo: kopf.Memo, stopped: kopf.DaemonStopped, 
 async def autoscale(body: kopf.Body, memo: kopf.Memo, stopped: kopf.DaemonStopped, **_: Any) -> None:
     state = ScalingState()
     last: tuple[int, int, str] | None = None
-    while not await stopped.wait(memo.config.autoscale_seconds):
+    while not await sleep_unless_stopped(stopped, memo.config.autoscale_seconds):
         if not await still_exists(memo.kube, body):
             return
         try:
@@ -146,6 +148,23 @@ async def autoscale(body: kopf.Body, memo: kopf.Memo, stopped: kopf.DaemonStoppe
         if (decision.current, decision.desired, decision.reason) != last:
             last = (decision.current, decision.desired, decision.reason)
             await write_status(memo.kube, body, {"autoscaling": decision_status(idep, decision)})
+
+
+async def sleep_unless_stopped(stopped: kopf.DaemonStopped, seconds: float) -> bool:
+    """Sleep `seconds`; True (at once, or within STOP_POLL_S) when the daemon is asked to stop.
+
+    Not kopf's `stopped.wait(seconds)`: that waits in a helper task which outlives its daemon when the
+    daemon is cancelled instead of stopped (as a daemon whose object is already forgotten is, at exit), and
+    the helper's late TimeoutError then fails the operator's exit (kopf 1.45). A cancelled sleep leaves
+    nothing behind."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + seconds
+    while not stopped:
+        left = deadline - loop.time()
+        if left <= 0:
+            return False
+        await asyncio.sleep(min(left, STOP_POLL_S))
+    return True
 
 
 async def still_exists(kube: KubeClient, body: Mapping[str, Any]) -> bool:

@@ -148,6 +148,7 @@ class ClusterInABox:
     async def _stop_api(self) -> None:
         self._crd_task.cancel()
         await asyncio.gather(self._crd_task, return_exceptions=True)
+        self.api.close_watches()
         await self.server.__aexit__(None, None, None)
         await self.api.__aexit__(None, None, None)
 

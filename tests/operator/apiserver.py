@@ -66,6 +66,7 @@ class StrictApiServer(kmock.KubernetesEmulator):
     _changed: asyncio.Event = attrs.field(factory=asyncio.Event, init=False)
     _writes: asyncio.Lock = attrs.field(factory=asyncio.Lock, init=False)
     calls: dict[str, set[tuple[str, str, str]]] = attrs.field(factory=dict, init=False)
+    _closing: bool = attrs.field(default=False, init=False)
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -90,6 +91,13 @@ class StrictApiServer(kmock.KubernetesEmulator):
         if event.get("type") == "DELETED" or int(meta.get("resourceVersion") or 0) <= last:
             meta["resourceVersion"] = self._next_version()
         self._log.append((int(meta.get("resourceVersion") or self._version), resource, event))
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
+
+    def close_watches(self) -> None:
+        """End every open WATCH now. The server's shutdown waits for its handlers, and a watch whose client
+        is gone notices only when it next writes: up to the client's timeoutSeconds (kopf asks 300)."""
+        self._closing = True
         changed, self._changed = self._changed, asyncio.Event()
         changed.set()
 
@@ -237,7 +245,7 @@ class StrictApiServer(kmock.KubernetesEmulator):
             for (resource, _, _), obj in list(self.objects.items()):
                 if resource == request.resource and not obj.deleted and self._matches(request, obj.raw):
                     yield {"type": "ADDED", "object": obj.raw}
-        while (left := deadline - asyncio.get_running_loop().time()) > 0:
+        while not self._closing and (left := deadline - asyncio.get_running_loop().time()) > 0:
             changed = self._changed
             while position < len(self._log):
                 _, resource, event = self._log[position]

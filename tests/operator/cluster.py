@@ -122,6 +122,7 @@ class Cluster:
         for engine in self.engines:
             await engine.stop()
         await self.http.close()
+        self.api.close_watches()
         await self.server.__aexit__(None, None, None)
         await self.api.__aexit__(None, None, None)
 
