@@ -159,10 +159,12 @@ def degraded_status(reason: str, message: str, generation: int) -> dict[str, Any
 
 
 def with_problem(status: Mapping[str, Any], reason: str, message: str, generation: int) -> dict[str, Any]:
-    """A healthy_status with Degraded set to a problem the operator will not fix by itself (a same-named
-    object it does not own): Degraded True with that reason, phase Degraded."""
-    conditions = [
-        condition("Degraded", True, reason, message, generation) if c["type"] == "Degraded" else c
-        for c in status["conditions"]
-    ]
+    """A healthy_status with a problem the operator will not fix by itself (a same-named object it does not
+    own): Degraded True with that reason, phase Degraded, and a Ready that is False says the same (it is
+    most likely why: the engine's own Deployment cannot be applied)."""
+    conditions = []
+    for c in status["conditions"]:
+        if c["type"] == "Degraded" or (c["type"] == "Ready" and c["status"] == "False"):
+            c = condition(c["type"], c["type"] == "Degraded", reason, message, generation)
+        conditions.append(c)
     return {**status, "phase": "Degraded", "conditions": conditions}

@@ -115,6 +115,12 @@ def test_foreign_children_are_reported_and_left_byte_identical(emulated: Emulate
     assert status["phase"] == "Degraded"
     degraded = next(c for c in status["conditions"] if c["type"] == "Degraded")
     assert degraded["reason"] == "ForeignObject"
+    ready = next(c for c in status["conditions"] if c["type"] == "Ready")
+    assert (ready["status"], ready["reason"], ready["message"]) == (
+        "False",
+        "ForeignObject",
+        degraded["message"],
+    )
     for kind in before:
         assert f"{kind} {NAMESPACE}/{child} already exists without a controller" in degraded["message"], kind
     warnings = [e for e in emulated.events(name) if e["type"] == events.WARNING]
