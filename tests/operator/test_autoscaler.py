@@ -7,9 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from loraplex.operator.autoscaler import ScalingPolicy, ScalingState, decide, recommend
+from loraplex.operator.autoscaler import Decision, ScalingPolicy, ScalingState, decide, recommend
+from loraplex.operator.events import SCALED_DOWN, SCALED_UP
+from loraplex.operator.main import scale_event
 from loraplex.operator.metrics import parse_metric, ready_pod_targets
 from loraplex.operator.simulate import default_policy, plot, simulate, synthetic_trace
+from loraplex.operator.spec import parse
+from tests.operator.helpers import body
 
 POLICY = ScalingPolicy(min_replicas=1, max_replicas=10, target=4.0, scale_down_window_s=300.0)
 
@@ -137,3 +141,16 @@ def test_simulation_has_no_flapping_and_bounded_lag(tmp_path: Path) -> None:
 def test_policy_rejects_bad_bounds() -> None:
     with pytest.raises(ValueError, match="min_replicas"):
         ScalingPolicy(min_replicas=3, max_replicas=2, target=1.0)
+
+
+def test_the_scale_event_says_direction_reason_and_metric() -> None:
+    idep = parse(body(autoscaling={"metric": "pool_utilization", "target": 0.75}))
+    up = Decision(current=2, desired=3, raw=3, value=0.9123456, reason="ScaleUp")
+    assert scale_event(idep, up) == (
+        SCALED_UP,
+        "scaled Deployment llama3-8b-engine from 2 to 3 replicas "
+        "(ScaleUp; pool_utilization 0.9123 per ready pod, target 0.75)",
+    )
+    down = Decision(current=3, desired=1, raw=1, value=None, reason="AtMinimum")
+    reason, message = scale_event(idep, down)
+    assert reason == SCALED_DOWN and "(AtMinimum; pool_utilization no samples, target 0.75)" in message
