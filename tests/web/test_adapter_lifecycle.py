@@ -287,6 +287,27 @@ def test_a_delete_wakes_the_sync_and_every_replica_of_every_deployment_forgets_i
         assert first.deletes == second.deletes == [gone]
 
 
+def test_a_delete_in_the_console_reaches_the_engines_too(client: TestClient, peft_dir: Path) -> None:
+    make_user(client.app, "ada@acme.test", tenant="acme")  # type: ignore[arg-type]
+    assert sign_in(client, "ada@acme.test").status_code == 303
+    stub = RegistryStub([])
+    with serve(stub.app()) as url:
+        Api(client).deployment("tiny", "tiny-llama", [url], shape=SHAPE)
+        token = CSRF.findall(client.get("/console/adapters").text)[0]
+        made = client.post(
+            "/console/adapters",
+            data={"name": "a1", "deployment": "tiny", "csrf_token": token},
+            files=[("files", (n, c, "application/octet-stream")) for n, c in loose(peft_dir)],
+            headers={"accept": "application/json"},
+        )
+        assert made.status_code == 201, made.text
+        stub.names[:] = [wire.adapter_name(adapter_row(client, "a1").id)]
+        confirmed = {"confirm": "yes", "csrf_token": token}
+        deleted = client.post("/console/adapters/a1/delete", data=confirmed, follow_redirects=False)
+        assert deleted.status_code == 303
+        wait_for(lambda: not stub.names, "the engine to be told by the console's delete")
+
+
 def test_a_replica_that_refuses_for_now_is_asked_again_on_the_next_pass(
     api: Api, client: TestClient, peft_dir: Path
 ) -> None:
