@@ -23,7 +23,8 @@ from tests.operator.emulated import Emulated, inference_deployment
 from tests.operator.helpers import KUBE_VERSION, body
 
 pytestmark = pytest.mark.timeout(90)
-CONFIG = OperatorConfig(allowed_secrets=(f"{NAMESPACE}/*",))
+# A generous scrape timeout: on a loaded machine a missed sample would change the decision under test.
+CONFIG = OperatorConfig(allowed_secrets=(f"{NAMESPACE}/*",), scrape_timeout_seconds=10.0)
 NAME = "story"
 CHILD = f"{NAME}-engine"
 
