@@ -26,6 +26,7 @@ PEERING_VERSION = "v1"
 PEERING_PLURAL = "clusterkopfpeerings"
 # kopf reads an unset priority as 0; a drawn one is never 0, so an explicit --priority is kept.
 PRIORITY_RANGE = (1, 2**31 - 1)
+REQUEST_TIMEOUT_S = 10.0
 
 
 def configure(settings: kopf.OperatorSettings, lifetime_seconds: float) -> bool:
@@ -56,7 +57,9 @@ def _ensure_sync(api_client: kubernetes.client.ApiClient, name: str) -> None:
         "metadata": {"name": name},
     }
     try:
-        api.create_cluster_custom_object(PEERING_GROUP, PEERING_VERSION, PEERING_PLURAL, body)
+        api.create_cluster_custom_object(
+            PEERING_GROUP, PEERING_VERSION, PEERING_PLURAL, body, _request_timeout=REQUEST_TIMEOUT_S
+        )
     except kubernetes.client.ApiException as error:
         if error.status == 409:
             return  # another replica (or an earlier run) made it

@@ -10,8 +10,10 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import kopf
 import pytest
 
+from loraplex.operator import peering
 from tests.operator.cluster import Cluster, wait_for
 from tests.operator.helpers import example
 from tests.operator.processes import PEERING, OperatorProcess
@@ -107,3 +109,20 @@ def test_a_clean_exit_hands_over_at_once(cluster: Cluster, tmp_path: Path) -> No
     finally:
         for process in operators.values():
             process.stop()
+
+
+def test_peering_is_cluster_wide_with_a_drawn_priority_only_when_asked_for() -> None:
+    asked = kopf.OperatorSettings()
+    asked.peering.mandatory, asked.peering.name = True, PEERING  # what `kopf run --peering=NAME` sets
+    assert peering.configure(asked, lifetime_seconds=7.4)
+    assert asked.peering.clusterwide and asked.peering.lifetime == 7
+    low, high = peering.PRIORITY_RANGE
+    assert low <= asked.peering.priority <= high
+    given = kopf.OperatorSettings()
+    given.peering.mandatory, given.peering.priority = True, 42  # `--priority 42` is kept
+    assert peering.configure(given, lifetime_seconds=60) and given.peering.priority == 42
+    for flags in ({"standalone": True, "mandatory": False}, {"standalone": False, "mandatory": False}):
+        settings = kopf.OperatorSettings()
+        settings.peering.standalone, settings.peering.mandatory = flags["standalone"], flags["mandatory"]
+        assert not peering.configure(settings, lifetime_seconds=60)
+        assert not settings.peering.clusterwide and settings.peering.priority == 0
