@@ -239,7 +239,7 @@ class AsyncEngine:
         """End a request whose caller went away (safe to call for finished or unknown ids)."""
         self._post(lambda: self._abort(request_id))
 
-    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
+    async def _call(self, fn: Callable[[LLMEngine], T]) -> T:
         """Run `fn(engine)` on the loop thread, between steps, and return what it returns."""
         if self._thread is None or not self._thread.is_alive():
             raise EngineUnavailable(self.not_ready_reason)
@@ -275,7 +275,7 @@ class AsyncEngine:
             if is_store_outage(exc):
                 raise store_unreadable(exc) from exc
             raise
-        return await self.call(lambda engine: engine.register_adapter(name, source))
+        return await self._call(lambda engine: engine.register_adapter(name, source))
 
     async def unregister_adapter(self, name: str) -> bool:
         """New requests can no longer name it; True if it is forgotten now, False if it drains (the
@@ -287,15 +287,15 @@ class AsyncEngine:
                 raise UnknownAdapter(name)
             return engine.unregister_adapter(name)
 
-        return await self.call(unregister)
+        return await self._call(unregister)
 
     async def adapter(self, name: str) -> AdapterInfo | None:
         """The registered adapter `name`, as the engine sees it now (None: not registered)."""
-        return await self.call(lambda engine: engine.adapter(name))
+        return await self._call(lambda engine: engine.adapter(name))
 
     async def adapters(self) -> list[AdapterInfo]:
         """Every registered adapter, by name."""
-        return await self.call(lambda engine: engine.adapters())
+        return await self._call(lambda engine: engine.adapters())
 
     # -- plumbing between the threads -------------------------------------------------------------
 
