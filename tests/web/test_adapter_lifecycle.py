@@ -287,6 +287,16 @@ def test_a_delete_wakes_the_sync_and_every_replica_of_every_deployment_forgets_i
         assert first.deletes == second.deletes == [gone]
 
 
+def test_deleting_a_tenant_reaches_the_engines_too(api: Api, client: TestClient, peft_dir: Path) -> None:
+    stub = RegistryStub([])
+    with serve(stub.app()) as url:
+        api.deployment("tiny", "tiny-llama", [url], shape=SHAPE)
+        tenant, headers = api.tenant_with_key("acme")
+        stub.names[:] = [wire.adapter_name(upload(client, headers, loose(peft_dir)).json()["id"])]
+        assert client.delete(f"/admin/v1/tenants/{tenant['id']}", headers=ADMIN).status_code == 204
+        wait_for(lambda: not stub.names, "the engine to forget the deleted tenant's adapter")
+
+
 def test_a_delete_in_the_console_reaches_the_engines_too(client: TestClient, peft_dir: Path) -> None:
     make_user(client.app, "ada@acme.test", tenant="acme")  # type: ignore[arg-type]
     assert sign_in(client, "ada@acme.test").status_code == 303

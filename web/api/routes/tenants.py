@@ -15,7 +15,7 @@ from ...schemas import (
     TenantPublic,
     TenantUpdate,
 )
-from ...services import keys, tenants
+from ...services import engine_sync, keys, tenants
 from ..deps import AdminDep, SessionDep
 
 router = APIRouter(prefix="/admin/v1/tenants", tags=["admin"])
@@ -42,8 +42,9 @@ def update_tenant(tenant_id: uuid.UUID, body: TenantUpdate, session: SessionDep,
 
 
 @router.delete("/{tenant_id}", status_code=status.HTTP_204_NO_CONTENT)
-def delete_tenant(tenant_id: uuid.UUID, session: SessionDep, _: AdminDep) -> None:
+def delete_tenant(tenant_id: uuid.UUID, request: Request, session: SessionDep, _: AdminDep) -> None:
     tenants.delete_tenant(session, tenant_id)
+    engine_sync.wake(request.app)  # its adapters went with it: engines forget them soon
 
 
 @router.put("/{tenant_id}/quota")
