@@ -146,10 +146,11 @@ def machine_line() -> str:
 
 
 def load_engine_model(work: Workload) -> Any:
-    from loraplex.engine.config import DTYPES
+    import torch
+
     from loraplex.engine.model.loader import load_model
 
-    return load_model(work.model, DTYPES[work.dtype], "cpu")
+    return load_model(work.model, getattr(torch, work.dtype), "cpu")  # --dtype takes torch's names
 
 
 def fresh_engine(loaded: Any, work: Workload, **config: Any) -> Any:
@@ -191,15 +192,15 @@ def run_engine(
     failed = [o.error for o in outputs if o.error]
     if failed:
         raise RuntimeError(f"{label}: {len(failed)} requests failed, the first: {failed[0]}")
-    residency, host = engine.adapters.stats, engine.adapters.host.stats
+    engine_stats = engine.stats()
     stats = {
-        "pool_pages": engine.pool.num_pages,
-        "adapter_loads": residency.loads,
-        "adapter_evictions": residency.evictions,
-        "adapter_load_seconds": residency.load_seconds,
-        **{f"host_{key}": value for key, value in asdict(host).items()},
+        "pool_pages": engine_stats.num_pages,
+        "adapter_loads": engine_stats.adapter_loads,
+        "adapter_evictions": engine_stats.adapter_evictions,
+        "adapter_load_seconds": engine_stats.adapter_load_seconds,
+        **{f"host_{key}": value for key, value in asdict(engine.loader.host.stats).items()},
     }
-    engine.adapters.host.close()
+    engine.loader.close()
     return Timed(label, seconds, [o.token_ids for o in outputs], stats)
 
 
