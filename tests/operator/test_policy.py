@@ -20,7 +20,7 @@ from loraplex.operator.policy import (
     secrets_used,
     violations,
 )
-from loraplex.operator.spec import parse
+from loraplex.operator.spec import SpecError, parse
 from tests.operator.cluster import Cluster
 from tests.operator.emulated import Emulated, inference_deployment
 from tests.operator.helpers import body
@@ -92,6 +92,12 @@ def test_default_image_policy_is_the_project_engine_image() -> None:
         message = image_violation(refused, config)
         assert message is not None and refused in message and "LORAPLEX_OPERATOR_ALLOWED_IMAGES" in message
     assert image_violation("docker.io/someone/engine:1", OperatorConfig(allow_any_image=True)) is None
+    # A glob's `*` matches `/` too: the spec's reference grammar (a tag has no `/`, nothing follows a digest)
+    # is what keeps `ghcr.io/loraplex/engine:*` from matching another repository.
+    for sneaky in ("ghcr.io/loraplex/engine:5000/evil/engine:1", "ghcr.io/loraplex/engine:1 evil/x"):
+        assert image_violation(sneaky, config) is None  # the glob alone would let it through...
+        with pytest.raises(SpecError, match="is not an image reference"):
+            parse(body(engine={"image": sneaky}))  # ...the spec never gets that far
     listed = OperatorConfig(allowed_images=("registry.example.com/*",))
     assert image_violation("registry.example.com/team/engine:2", listed) is None
     assert image_violation("ghcr.io/loraplex/engine:0.1.0", listed) is not None
