@@ -19,7 +19,7 @@ def test_requests_joining_mid_run_get_the_same_tokens_as_alone(engine: LLMEngine
     alone = [engine.generate([p], GREEDY)[0].token_ids for p in prompts]
     first = engine.add_request(prompts[0], GREEDY)
     results = {}
-    late = []
+    late: list[str] = []
     for step in range(100):
         if step in (2, 5):
             late.append(engine.add_request(prompts[len(late) + 1], GREEDY))
