@@ -28,7 +28,7 @@ from fastapi.concurrency import run_in_threadpool
 from loraplex import wire
 
 from ..db.session import Database
-from . import gateway, metering, quotas
+from . import adapters, gateway, metering, quotas
 from .errors import QuotaExceeded
 from .keys import Principal
 from .routing import Router
@@ -127,7 +127,7 @@ class CompletionStream:
         status = self.status
         error = self.meter.error
         if error is not None and error.code == wire.ADAPTER_FAILED and self.call.target.adapter_sha256:
-            self.call.adapter_error = gateway.adapter_error_text(error)
+            self.call.adapter_error = adapters.error_text(error.message)
             status = wire.ADAPTER_FAILED
         elif status == "ok" and not exact:
             status = "ok_estimated"
@@ -290,7 +290,7 @@ async def _engine_refused(call: metering.Call, status: int, answer: bytes, media
     error = wire.parse_error(answer)
     told, retry_after = status, None
     if error is not None and error.code == wire.ADAPTER_FAILED and call.target.adapter_sha256:
-        call.adapter_error = gateway.adapter_error_text(error)
+        call.adapter_error = adapters.error_text(error.message)
         told = wire.ADAPTER_FAILED_STATUS
     elif error is not None and error.code == wire.ADAPTER_UNAVAILABLE:
         told, retry_after = wire.ADAPTER_UNAVAILABLE_STATUS, RETRY_AFTER_S

@@ -9,7 +9,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import select, update
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from loraplex import wire
@@ -101,8 +101,6 @@ def upstream_headers(target: Target, tenant_id: uuid.UUID, internal_token: str) 
 # the engine would refuse anyway.
 
 MAX_REQUEST_BODY_BYTES = limits.MAX_REQUEST_BODY_BYTES
-# The engine's reason for a failed adapter, as stored on the adapter row and shown to its tenant.
-MAX_ADAPTER_ERROR_CHARS = 1000
 
 
 class BadRequest(Exception):
@@ -310,27 +308,3 @@ def usage_of_body(content: bytes) -> dict[str, int] | None:
     ):
         return None
     return usage
-
-
-# -- the engine's verdict on an adapter (wire.ADAPTER_FAILED: marked failed; ADAPTER_UNAVAILABLE: not) ------
-
-
-def adapter_error_text(error: wire.WireError) -> str:
-    """The engine's reason, as kept on the adapter row: one printable line of bounded length."""
-    message = error.message
-    text = message if message.strip() else "the engine could not use this adapter"
-    text = "".join(c if c.isprintable() else " " for c in text[: MAX_ADAPTER_ERROR_CHARS * 2])
-    return " ".join(text.split())[:MAX_ADAPTER_ERROR_CHARS]
-
-
-def mark_adapter_failed(session: Session, sha256: str, reason: str) -> int:
-    """Every ready adapter with this digest is failed with the engine's reason (they are the same bytes,
-    and the engine now refuses the digest); returns how many rows changed."""
-    result = session.execute(
-        update(Adapter)
-        .where(Adapter.sha256 == sha256, Adapter.status == AdapterStatus.READY)
-        .values(status=AdapterStatus.FAILED, error=reason)
-        .execution_options(synchronize_session=False)
-    )
-    session.commit()
-    return int(getattr(result, "rowcount", 0) or 0)
