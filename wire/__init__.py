@@ -50,6 +50,7 @@ ENGINE_ERROR = "engine_error"  # the engine failed the request (or its stream br
 NOT_READY = "not_ready"  # loading or draining: 503 with Retry-After
 QUEUE_FULL = "queue_full"  # 429 with Retry-After
 MODEL_NOT_FOUND = "model_not_found"
+ADAPTER_NOT_READY = "adapter_not_ready"  # the caller's adapter is still being uploaded (409)
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # OpenAI's code: prompt and completion past the context
 LIMIT_EXCEEDED = "limit_exceeded"  # a cap of engine/server/limits.py
 REQUEST_TOO_LARGE = "request_too_large"  # the body (413), or more tokens than a quota could ever allow

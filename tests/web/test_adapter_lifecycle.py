@@ -125,6 +125,30 @@ def test_uploading_again_replaces_a_failed_adapter_and_clears_its_error(
     assert client.get("/api/v1/adapters/a1", headers=tenant).json()["id"] == body["id"]
 
 
+def test_calling_an_adapter_that_is_not_ready_says_why_and_what_to_do(
+    client: TestClient, tenant: dict[str, str], peft_dir: Path
+) -> None:
+    """The caller's own adapter that failed is a 422 with its reason, one still being uploaded a 409; no
+    engine is asked (the deployment's endpoint is a closed port)."""
+    config = (peft_dir / FILES[0]).read_bytes()
+    assert upload(client, tenant, [(FILES[0], config)]).status_code == 422
+    reason = client.get("/api/v1/adapters/a1", headers=tenant).json()["error"]
+    body = {"model": "a1", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    failed = client.post("/v1/chat/completions", json=body, headers=tenant)
+    assert failed.status_code == 422, failed.text
+    error = failed.json()["error"]
+    assert error["code"] == wire.ADAPTER_FAILED and reason in error["message"]
+    assert "Upload it again" in error["message"]
+
+    with client.app.state.db.session() as session:  # type: ignore[attr-defined]
+        session.execute(update(Adapter).where(Adapter.name == "a1").values(status=AdapterStatus.VALIDATING))
+        session.commit()
+    pending = client.post("/v1/chat/completions", json=body, headers=tenant)
+    assert pending.status_code == 409, pending.text
+    assert pending.json()["error"]["code"] == wire.ADAPTER_NOT_READY
+    assert "validating" in pending.json()["error"]["message"]
+
+
 def test_a_failed_adapter_counts_against_max_adapters_until_replaced_or_deleted(
     client: TestClient, tenant: dict[str, str], peft_dir: Path
 ) -> None:
@@ -582,8 +606,9 @@ def test_an_adapter_the_engine_refuses_is_failed_with_its_reason_until_uploaded_
     row = httpx.get(f"{url}/api/v1/adapters/shout", headers=headers).json()
     assert row["status"] == "failed" and "digest" in row["error"], row
     assert row["error"] in refused.value.message
-    with pytest.raises(NotFoundError):  # a failed adapter is not routed any more
+    with pytest.raises(UnprocessableEntityError) as not_served:  # not routed any more, and says why
         chat(url, headers, "shout")
+    assert not_served.value.code == wire.ADAPTER_FAILED and row["error"] in not_served.value.message
     wait_for(lambda: forgotten(engine, wire.adapter_name(adapter["id"])), "the engine to drop it")
 
     replaced = upload_demo(url, headers)

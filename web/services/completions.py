@@ -27,6 +27,7 @@ from fastapi.concurrency import run_in_threadpool
 
 from loraplex import wire
 
+from ..db.models import AdapterStatus
 from ..db.session import Database
 from . import adapters, gateway, metering, quotas
 from .errors import QuotaExceeded
@@ -51,6 +52,22 @@ class Refused(Exception):
     def __init__(self, status: int, error: wire.WireError, retry_after: int | None = None):
         super().__init__(error.message)
         self.status, self.error, self.retry_after = status, error, retry_after
+
+
+def not_served(adapter: gateway.NotServed) -> Refused:
+    """The caller's own adapter that is not ready: why, and what to do about it."""
+    if adapter.status == AdapterStatus.FAILED:
+        reason = adapter.error or "it cannot be used"
+        message = (
+            f"The adapter `{adapter.model}` failed and is not served: {reason}. "
+            "Upload it again under this name to replace it."
+        )
+        return Refused(
+            wire.ADAPTER_FAILED_STATUS, wire.WireError(message, wire.INVALID_REQUEST, wire.ADAPTER_FAILED)
+        )
+    status = adapter.status.value
+    message = f"The adapter `{adapter.model}` is still being uploaded ({status}); retry when it is ready."
+    return Refused(409, wire.WireError(message, wire.INVALID_REQUEST, wire.ADAPTER_NOT_READY))
 
 
 class EngineRefused(Exception):
@@ -183,6 +200,8 @@ class Gateway:
         if target is None:  # another tenant's adapter reads exactly like a missing one
             missing = f"The model `{model}` does not exist."
             raise Refused(404, wire.WireError(missing, wire.INVALID_REQUEST, wire.MODEL_NOT_FOUND))
+        if isinstance(target, gateway.NotServed):
+            raise not_served(target)
         streaming = bool(body.get("stream"))
         if streaming:  # the final chunk then carries the engine's exact usage
             options = body.get("stream_options")
@@ -213,7 +232,7 @@ class Gateway:
             await call.finish("client_disconnected", prompt_estimate, 0, False)
             raise
 
-    def _resolve(self, principal: Principal, model: str) -> gateway.Target | None:
+    def _resolve(self, principal: Principal, model: str) -> gateway.Target | gateway.NotServed | None:
         with self.db.session() as session:
             return gateway.resolve(session, principal.tenant_id, model)
 

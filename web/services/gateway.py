@@ -44,13 +44,24 @@ class Target:
         return wire.AdapterRef(str(self.adapter_id), self.adapter_uri or "", self.adapter_sha256)
 
 
-def resolve(session: Session, tenant_id: uuid.UUID, model: str) -> Target | None:
-    """This tenant's ready adapter named `model`, else a deployment of base model `model`, else None."""
+@dataclass(frozen=True)
+class NotServed:
+    """The tenant's own adapter `model` exists but is not served: failed (with the reason the tenant can
+    act on) or still being uploaded. Told as such, not as a missing model: it is the caller's adapter."""
+
+    model: str
+    status: AdapterStatus
+    error: str | None
+
+
+def resolve(session: Session, tenant_id: uuid.UUID, model: str) -> Target | NotServed | None:
+    """This tenant's ready adapter named `model` (NotServed if it is not ready), else a deployment of
+    base model `model`, else None."""
     adapter = find_adapter(session, tenant_id, model)
     if adapter is not None and adapter.status == AdapterStatus.READY:
         return _adapter_target(adapter)
     if adapter is not None:
-        return None
+        return NotServed(adapter.name, adapter.status, adapter.error)
     deployment = session.scalar(
         select(Deployment).where(Deployment.base_model == model).order_by(Deployment.name).limit(1)
     )
