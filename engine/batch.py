@@ -260,6 +260,7 @@ class BatchBuilder:
             raise ValueError("a step needs at least one chunk")
         page_size = self.page_size
         num_decodes = 0
+        blocks = []  # pages each chunk's context spans
         for i, chunk in enumerate(chunks):
             if chunk.num_tokens < 1:
                 raise ValueError(f"chunk {i} has {chunk.num_tokens} tokens; every chunk needs at least one")
@@ -267,8 +268,13 @@ class BatchBuilder:
                 if num_decodes != i:
                     raise ValueError("decodes (one-token chunks) must come first: see order_chunks()")
                 num_decodes += 1
+            blocks.append(-(-chunk.end // page_size))
+            if len(chunk.request.pages) < blocks[-1]:
+                raise ValueError(
+                    f"chunk {i} reaches token {chunk.end}, which needs {blocks[-1]} pages of {page_size}; "
+                    f"its request has {len(chunk.request.pages)}"
+                )
         decodes, prefills = chunks[:num_decodes], chunks[num_decodes:]
-        blocks = [-(-c.end // page_size) for c in chunks]
         decode_width = max(blocks[:num_decodes], default=0)
         prefill_width = max(blocks[num_decodes:], default=0)
         names = tuple(sorted({c.request.adapter for c in chunks if c.request.adapter is not None}))

@@ -173,6 +173,9 @@ def test_bad_layouts_are_refused() -> None:
         builder.build([prefill, decode])
     with pytest.raises(ValueError, match="chunk 0 has 0 tokens"):
         builder.build([FakeChunk(request(3, [7]), 2, 0)])
+    short = "chunk 1 reaches token 9, which needs 3 pages of 4; its request has 2"
+    with pytest.raises(ValueError, match=short):
+        builder.build([decode, FakeChunk(request(9, [6, 8]), 4, 5)])
     with pytest.raises(ValueError, match="page_size"):
         BatchBuilder(0, "cpu")
 
