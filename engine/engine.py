@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,7 +42,7 @@ from .runner import ModelRunner
 from .sampler import sample, token_logprobs
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledChunk, Scheduler, StepPlan
-from .stats import AdapterInfo, EngineStats
+from .stats import AdapterFacts, AdapterInfo, EngineStats
 from .stopping import StopChecker, next_delta
 
 log = logging.getLogger(__name__)
@@ -182,19 +182,24 @@ class LLMEngine:
         return self.registry.unregister(name)
 
     def adapter(self, name: str) -> AdapterInfo | None:
-        """The registered adapter `name` (None if unknown, or unregistered and draining)."""
-        if name not in self.registry:
-            return None
+        """The registered adapter `name` (None if unknown, or unregistered and draining), residency
+        included: call it where the engine runs (another thread reads `adapter_view`)."""
+        facts = self.registry.view.get(name)
         entry = self.registry.entry(name)
-        assert entry is not None
-        return AdapterInfo(
-            name, entry.manifest.sha256, entry.num_pages, entry.resident, self.registry.failed.get(name)
-        )
+        if facts is None or facts.draining or entry is None:
+            return None
+        return AdapterInfo(name, facts.sha256, facts.pages, entry.resident, facts.failed)
 
     def adapters(self) -> list[AdapterInfo]:
         """Every registered adapter, by name."""
         infos = (self.adapter(name) for name in self.registry.names())
         return [info for info in infos if info is not None]
+
+    @property
+    def adapter_view(self) -> Mapping[str, AdapterFacts]:
+        """The registration facts of every adapter registered or draining, safe to read from any thread
+        without a lock: an immutable snapshot, replaced whole when a registration changes."""
+        return self.registry.view
 
     # -- requests ---------------------------------------------------------------------------------
 

@@ -6,8 +6,21 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
+class AdapterFacts:
+    """What registering an adapter settled, as any thread may read it (see AdapterRegistry.view): facts
+    that change only when it is registered, refused, unregistered or forgotten, never while it serves."""
+
+    name: str
+    sha256: str
+    pages: int  # pool pages it occupies when resident
+    failed: str | None  # why it is refused, if it is
+    draining: bool  # unregistered: new requests may not name it; those already there finish
+
+
+@dataclass(frozen=True)
 class AdapterInfo:
-    """A registered adapter as the engine's callers see it."""
+    """A registered adapter as the engine's callers see it, residency included (the engine thread's view:
+    residency changes every step, so it is exact only there)."""
 
     name: str
     sha256: str

@@ -16,18 +16,26 @@ adapter drains, and when its last user ends its pages and its host copy are free
 Faults stay with their adapter: weights the loader cannot read, verify or fit, and a step failure the
 engine attributes to it (`mark_failed`), refuse the adapter (`failed`, with the reason) until it is
 registered again with other weights (another digest) or unregistered.
+
+Other threads (the server's event loop) read `view`: an immutable snapshot of the registration facts,
+rebuilt and swapped in by one reference assignment at the end of every operation that changes them
+(register, unregister, a refusal, a drained adapter forgotten). Reading it needs no lock and waits for no
+step; residency and use counts stay out of it, as they change every step.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Protocol
 
 from loraplex.adapters import AdapterError, AdapterManifest
 
 from ..pool import PageKind, PagePool
+from ..stats import AdapterFacts
 
 if TYPE_CHECKING:  # sources read weights with torch; the registry only holds them
     from .sources import AdapterSource
@@ -87,6 +95,8 @@ class AdapterRegistry:
         self._loading: dict[str, None] = {}  # resident, rows not copied yet, in the order handed out
         self._resident: dict[str, None] = {}  # in the order they were placed
         self._num_draining = 0
+        # Registered and draining adapters by name, for other threads: replaced whole, never changed.
+        self.view: Mapping[str, AdapterFacts] = MappingProxyType({})
 
     # -- what the engine asks -----------------------------------------------------------------------
 
@@ -146,6 +156,7 @@ class AdapterRegistry:
         self._entries[name] = AdapterEntry(name, source, num_pages)
         if fault is not None:
             self.failed[name] = fault
+        self._publish()  # once, after the old entry is gone: no reader sees the name missing in between
         return manifest
 
     def unregister(self, name: str) -> bool:
@@ -157,9 +168,11 @@ class AdapterRegistry:
         if entry.users:
             entry.draining = True
             self._num_draining += 1
+            self._publish()
             log.info("adapter %s drains: %d request(s) still use it", name, entry.users)
             return False
         self._forget(name)
+        self._publish()
         return True
 
     def mark_failed(self, name: str, reason: str) -> None:
@@ -171,6 +184,7 @@ class AdapterRegistry:
         entry = self._entries.get(name)
         if entry is not None and entry.resident and not entry.references:
             self._drop(entry)
+        self._publish()
         log.warning("adapter %s is refused from now on: %s", name, reason)
 
     # -- what the scheduler calls -------------------------------------------------------------------
@@ -187,6 +201,7 @@ class AdapterRegistry:
         assert entry.users >= entry.references >= 0, name
         if entry.draining and not entry.users:
             self._forget(name)
+            self._publish()
             log.info("adapter %s drained and is forgotten", name)
 
     def pages_needed(self, name: str) -> int:
@@ -257,6 +272,19 @@ class AdapterRegistry:
             self.mark_failed(name, reason)
 
     # -- inside ---------------------------------------------------------------------------------------
+
+    def _publish(self) -> None:
+        """Swap in a new view of the registration facts. A whole new mapping, so a reader on another
+        thread holds either the old one or the new one, each complete (one reference read, no lock).
+        It costs a pass over the registered adapters, paid per registration change, never per step."""
+        self.view = MappingProxyType(
+            {
+                name: AdapterFacts(
+                    name, entry.manifest.sha256, entry.num_pages, self.failed.get(name), entry.draining
+                )
+                for name, entry in self._entries.items()
+            }
+        )
 
     def _place(self, entry: AdapterEntry) -> bool:
         if self.max_resident is not None and len(self._resident) >= self.max_resident:

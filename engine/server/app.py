@@ -272,7 +272,7 @@ class ServerState:
             return None
         # A tenant's adapter is reached only through the adapter headers the gateway sets, never by its
         # engine name in `model` (a body field a tenant writes), so no tenant can name another's.
-        if not wire.is_gateway_adapter(model) and await engine.adapter(model) is not None:
+        if not wire.is_gateway_adapter(model) and engine.adapter(model) is not None:
             return model
         if caller.trusted:
             return None  # the gateway resolved `model` to this deployment's base model
@@ -283,7 +283,7 @@ class ServerState:
     async def ensure_adapter(self, engine: AsyncEngine, name: str, uri: str, sha256: str | None) -> None:
         """Register `name` unless it is already there with these weights; one registration at a time
         per name, shared by the requests that arrive meanwhile (and not cancelled if one leaves)."""
-        known = await engine.adapter(name)
+        known = engine.adapter(name)
         fresh = known is not None and (sha256 is None or known.sha256 == sha256.lower())
         if fresh and known is not None and known.failed is not None:
             # The same weights failed here before: refused with the reason until other weights come.
@@ -360,7 +360,7 @@ class ServerState:
                 wire.CONTEXT_LENGTH_EXCEEDED,
             )
         if limit is None:  # as much as the context (and the pool, less the adapter's pages) leaves
-            known = await engine.adapter(adapter) if adapter is not None else None
+            known = engine.adapter(adapter) if adapter is not None else None
             pool_tokens = engine.pool_tokens - (known.pages if known else 0) * engine.page_size
             limit = max(1, min(context, pool_tokens, limits.MAX_COMPLETION_TOKENS) - prompt_len)
         try:
@@ -499,7 +499,7 @@ def _add_probe_routes(app: FastAPI, state: ServerState) -> None:
                 "parent": parent,
             }
 
-        adapters = [a.name for a in await engine.adapters() if not wire.is_gateway_adapter(a.name)]
+        adapters = [name for name in engine.adapter_names() if not wire.is_gateway_adapter(name)]
         return {"object": "list", "data": [entry(base, None), *(entry(n, base) for n in adapters)]}
 
 

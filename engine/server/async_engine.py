@@ -12,9 +12,11 @@ callers get a StepFailed, their pages are freed) and the loop carries on; severa
 row make it not ready (until a step succeeds), and an error in the loop's own bookkeeping stops it for
 good (`dead`), so /ready and /health tell the truth. Adapter faults never count against readiness.
 
-This class keeps no copy of the engine's adapter state: what the HTTP side wants to know about adapters
-it asks the engine through the command queue (`adapter`, `adapters`), and the figures for metrics come
-from one `engine.stats()` snapshot per publish.
+This class keeps no copy of the engine's adapter state. A request's adapter lookup (`adapter`) reads the
+engine's published view of the registrations (an immutable snapshot the engine swaps whole, safe to read
+from this thread) so it never waits for a step; only the admin listing (`adapters`), which wants exact
+residency, asks the engine through the command queue. The figures for metrics come from one
+`engine.stats()` snapshot per publish.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ if TYPE_CHECKING:
     from loraplex.engine.engine import LLMEngine
     from loraplex.engine.request import RequestOutput
     from loraplex.engine.sampling_params import SamplingParams
-    from loraplex.engine.stats import AdapterInfo
+    from loraplex.engine.stats import AdapterFacts, AdapterInfo
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -289,12 +291,20 @@ class AsyncEngine:
 
         return await self._call(unregister)
 
-    async def adapter(self, name: str) -> AdapterInfo | None:
-        """The registered adapter `name`, as the engine sees it now (None: not registered)."""
-        return await self._call(lambda engine: engine.adapter(name))
+    def adapter(self, name: str) -> AdapterFacts | None:
+        """The registered adapter `name` (None: not registered, or unregistered and draining), from the
+        engine's view: at once, even while a step runs, so a request naming an adapter waits for no extra
+        step before it is queued. A registration or unregistration already awaited here is in it."""
+        facts = self.engine.adapter_view.get(name)
+        return None if facts is None or facts.draining else facts
+
+    def adapter_names(self) -> list[str]:
+        """The registered adapters (not those draining), sorted; from the view, like `adapter`."""
+        return sorted(name for name, facts in self.engine.adapter_view.items() if not facts.draining)
 
     async def adapters(self) -> list[AdapterInfo]:
-        """Every registered adapter, by name."""
+        """Every registered adapter, by name, with its residency: asked of the engine between steps, the
+        only place residency is exact (it changes every step)."""
         return await self._call(lambda engine: engine.adapters())
 
     # -- plumbing between the threads -------------------------------------------------------------
