@@ -3,8 +3,8 @@
 Rows [0, D) are the decodes (one-token chunks), longest context first; rows [D, T) the prefill chunks.
 Linear layers see all T rows at once; attention and LoRA split them again through the tables here.
 There is one layout for both backends: the Triton kernels take the decode and prefill tables whole
-(each program walks its own sequence's pages), and the torch reference ops take views of the same
-tables (`DecodeBatch.groups`, `PrefillBatch.segments`), derived on the host with no further copy.
+(each program walks its own sequence's pages), and the torch reference ops take slices of the same
+tables (`DecodeBatch.groups`, `PrefillBatch.segments`), cut on the device with no further transfer.
 
 Every integer a step needs is written once, with numpy, into one preallocated host buffer (pinned when
 the device is CUDA, so the copy is asynchronous), copied to the device in one transfer, and handed out
@@ -113,11 +113,12 @@ class DecodeBatch:
         """The decodes in groups of similar context length, for the torch reference ops: a padded
         gather on a CPU is wasted work, so a short context should not be padded to the longest of the
         step. The kernels walk each sequence's own pages and take all decodes in one launch instead.
-        Views of the one table: each group is cut to its own widest context."""
+        Cut from the one table, each to its own widest context; made contiguous here, once per step,
+        because the reference ops flatten the table in every layer."""
         groups = []
         for start, end in group_decodes(self.num_blocks):
             width = max(self.num_blocks[start:end])
-            tables = self.block_tables[start:end, :width]
+            tables = self.block_tables[start:end, :width].contiguous()
             groups.append(DecodeGroup(start, end, tables, self.context_lens[start:end]))
         return groups
 
