@@ -391,7 +391,8 @@ def test_adapter_failed_marks_the_adapter_failed_and_is_a_422(failing: Failing) 
         assert row["status"] == "failed" and row["error"] == REASON + " [31m"
         # From now on the adapter is not served: no second trip to the engine.
         again = client.post("/v1/chat/completions", json=chat())
-        assert again.status_code == 404
+        assert again.status_code == 422 and again.json()["error"]["code"] == "adapter_failed"
+        assert REASON in again.json()["error"]["message"]  # the stored reason, said by the gateway itself
     assert len(failing.engine.received) == 1
     # The tenant's console shows why.
     make_user(failing.admin.app, "ada@acme.test", tenant="acme")  # type: ignore[arg-type]
