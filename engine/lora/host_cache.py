@@ -52,7 +52,9 @@ class HostCache:
         self._bytes = 0  # the sizes in _packed, summed
         self._pending: dict[str, Future[PackedAdapter]] = {}
         self._lock = threading.Lock()
-        self._workers = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="adapter-prefetch")
+        self._workers = ThreadPoolExecutor(
+            max_workers=workers, thread_name_prefix="adapter-prefetch", initializer=_one_intra_op_thread
+        )
 
     @property
     def bytes_used(self) -> int:
@@ -169,3 +171,13 @@ class HostCache:
                 continue
             self._bytes -= self._packed.pop(name)[1]
             self.stats.evictions += 1
+
+
+def _one_intra_op_thread() -> None:
+    """Packing runs beside the model's steps. Torch ops on a second thread start a second OpenMP team
+    as wide as the first, and on a small CPU the two teams then slow every later step of the main
+    thread (base-model steps measured 30% slower after one background pack; docs/benchmarks.md). One
+    intra-op thread here (a per-thread setting) leaves the cores to the model."""
+    import torch  # here: the host cache itself is plain bookkeeping
+
+    torch.set_num_threads(1)

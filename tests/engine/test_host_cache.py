@@ -116,3 +116,21 @@ def test_discard_while_a_prefetch_is_in_flight_keeps_nothing() -> None:
     release.set()
     cache.close()  # waits for the worker: the pack finished and was dropped
     assert "gone" not in cache and cache.bytes_used == 0 and cache.stats.loads == 1
+
+
+def test_background_packing_uses_one_intra_op_thread_and_leaves_the_callers_alone() -> None:
+    """A prefetch's torch ops run on one intra-op thread: a second OpenMP team as wide as the model's
+    slows every later step of the main thread on a small CPU (docs/benchmarks.md)."""
+    callers = torch.get_num_threads()
+    cache = HostCache(budget_bytes=1 << 20)
+    seen: list[int] = []
+
+    def pack() -> PackedAdapter:
+        seen.append(torch.get_num_threads())
+        return packed(2)
+
+    cache.prefetch("a", pack)
+    assert cache.get("a", lambda: pytest.fail("prefetched")).num_rows == 2
+    cache.close()
+    assert seen == [1]
+    assert torch.get_num_threads() == callers
