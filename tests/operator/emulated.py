@@ -9,10 +9,12 @@ emulator unchanged. The tests call the operator's coroutines directly, as kopf's
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import datetime
 import re
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 import aiohttp.test_utils
@@ -100,3 +102,25 @@ def inference_deployment(name: str, **spec: Any) -> dict[str, Any]:
     body["metadata"] = {"name": name, "namespace": NAMESPACE}
     body["spec"].update(spec)
     return body
+
+
+@contextlib.contextmanager
+def running_cluster(engines: int) -> Iterator[Cluster]:
+    """The API emulator with `engines` fake engine pods' metrics, stopped on the way out."""
+    cluster = Cluster(engines=engines)
+    cluster.start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@contextlib.contextmanager
+def emulated_cluster(engines: int) -> Iterator[Emulated]:
+    """A running cluster and the operator's KubeClient on it (for the module fixtures of the tests)."""
+    with running_cluster(engines) as cluster:
+        emulated = Emulated(cluster)
+        try:
+            yield emulated
+        finally:
+            emulated.close()

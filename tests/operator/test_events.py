@@ -18,8 +18,8 @@ from loraplex.operator.autoscaler import Decision, ScalingState
 from loraplex.operator.config import OperatorConfig
 from loraplex.operator.main import autoscale_once, reconcile
 from loraplex.operator.spec import parse
-from tests.operator.cluster import NAMESPACE, Cluster, wait_for
-from tests.operator.emulated import Emulated, inference_deployment
+from tests.operator.cluster import NAMESPACE, wait_for
+from tests.operator.emulated import Emulated, emulated_cluster, inference_deployment
 from tests.operator.helpers import KUBE_VERSION, body
 
 pytestmark = pytest.mark.timeout(90)
@@ -31,14 +31,8 @@ CHILD = f"{NAME}-engine"
 
 @pytest.fixture(scope="module")
 def emulated() -> Iterator[Emulated]:
-    cluster = Cluster(engines=4)
-    cluster.start()
-    try:
-        emulated = Emulated(cluster)
+    with emulated_cluster(engines=4) as emulated:
         yield emulated
-        emulated.close()
-    finally:
-        cluster.stop()
 
 
 def reconcile_live(emulated: Emulated, name: str = NAME) -> dict[str, Any]:

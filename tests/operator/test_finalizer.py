@@ -17,6 +17,7 @@ import pytest
 
 from loraplex.operator.main import autoscale, resync
 from tests.operator.cluster import Cluster, wait_for
+from tests.operator.emulated import running_cluster
 from tests.operator.helpers import example
 from tests.operator.processes import OperatorProcess
 
@@ -27,12 +28,8 @@ LEGACY_FINALIZER = "loraplex.dev/operator"
 
 @pytest.fixture
 def cluster() -> Iterator[Cluster]:
-    fake = Cluster(engines=2)
-    fake.start()
-    try:
+    with running_cluster(engines=2) as fake:
         yield fake
-    finally:
-        fake.stop()
 
 
 def inference_deployment(name: str, **metadata: Any) -> dict[str, Any]:

@@ -15,6 +15,7 @@ import pytest
 
 from loraplex.operator import peering
 from tests.operator.cluster import Cluster, wait_for
+from tests.operator.emulated import running_cluster
 from tests.operator.helpers import example
 from tests.operator.processes import PEERING, OperatorProcess
 from tests.operator.rbac import ungranted
@@ -26,12 +27,8 @@ PEERING_WRITES = {("kopf.dev", "clusterkopfpeerings", "create"), ("kopf.dev", "c
 
 @pytest.fixture
 def cluster() -> Iterator[Cluster]:
-    fake = Cluster(engines=2)
-    fake.start()
-    try:
+    with running_cluster(engines=2) as fake:
         yield fake
-    finally:
-        fake.stop()
 
 
 def inference_deployment(name: str) -> dict[str, Any]:

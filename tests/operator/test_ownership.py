@@ -19,8 +19,8 @@ from loraplex.operator.config import OperatorConfig
 from loraplex.operator.main import autoscale_once, reconcile
 from loraplex.operator.resources import desired_objects
 from loraplex.operator.spec import parse
-from tests.operator.cluster import NAMESPACE, Cluster
-from tests.operator.emulated import Emulated, inference_deployment
+from tests.operator.cluster import NAMESPACE
+from tests.operator.emulated import Emulated, emulated_cluster, inference_deployment
 from tests.operator.helpers import body
 
 pytestmark = pytest.mark.timeout(60)
@@ -47,14 +47,8 @@ def test_control_needs_kind_group_name_uid_and_the_controller_flag() -> None:
 
 @pytest.fixture(scope="module")
 def emulated() -> Iterator[Emulated]:
-    cluster = Cluster(engines=1)
-    cluster.start()
-    try:
-        emulated = Emulated(cluster)
+    with emulated_cluster(engines=1) as emulated:
         yield emulated
-        emulated.close()
-    finally:
-        cluster.stop()
 
 
 def foreign(

@@ -21,8 +21,7 @@ from loraplex.operator.policy import (
     violations,
 )
 from loraplex.operator.spec import SpecError, parse
-from tests.operator.cluster import Cluster
-from tests.operator.emulated import Emulated, inference_deployment
+from tests.operator.emulated import Emulated, emulated_cluster, inference_deployment
 from tests.operator.helpers import body
 
 pytestmark = pytest.mark.timeout(60)
@@ -154,14 +153,8 @@ def test_image_and_secret_violations_add_up() -> None:
 
 @pytest.fixture(scope="module")
 def emulated() -> Iterator[Emulated]:
-    cluster = Cluster(engines=1)
-    cluster.start()
-    try:
-        emulated = Emulated(cluster)
+    with emulated_cluster(engines=1) as emulated:
         yield emulated
-        emulated.close()
-    finally:
-        cluster.stop()
 
 
 def reconcile_live(emulated: Emulated, name: str, config: OperatorConfig) -> dict[str, Any]:
