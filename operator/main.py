@@ -101,15 +101,17 @@ async def owned_deployment_changed(body: kopf.Body, memo: kopf.Memo, **_: Any) -
 CANCELLATION_BACKOFF_S = 5.0
 CANCELLATION_TIMEOUT_S = 5.0
 STOP_POLL_S = 1.0  # how often a sleeping daemon looks at `stopped`; well inside the backoff
-
-
-@kopf.daemon(
+# Every daemon of ours: one per InferenceDeployment, stopped as above.
+per_object_daemon = kopf.daemon(
     GROUP,
     VERSION,
     PLURAL,
     cancellation_backoff=CANCELLATION_BACKOFF_S,
     cancellation_timeout=CANCELLATION_TIMEOUT_S,
 )
+
+
+@per_object_daemon
 async def resync(body: kopf.Body, memo: kopf.Memo, stopped: kopf.DaemonStopped, **_: Any) -> None:
     while not await sleep_unless_stopped(stopped, memo.config.resync_seconds):
         if not await still_exists(memo.kube, body):
@@ -117,13 +119,7 @@ async def resync(body: kopf.Body, memo: kopf.Memo, stopped: kopf.DaemonStopped, 
         await reconcile_quietly(memo.kube, body, memo.config)
 
 
-@kopf.daemon(
-    GROUP,
-    VERSION,
-    PLURAL,
-    cancellation_backoff=CANCELLATION_BACKOFF_S,
-    cancellation_timeout=CANCELLATION_TIMEOUT_S,
-)
+@per_object_daemon
 async def autoscale(body: kopf.Body, memo: kopf.Memo, stopped: kopf.DaemonStopped, **_: Any) -> None:
     state = ScalingState()
     last: tuple[int, int, str] | None = None
