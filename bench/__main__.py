@@ -5,7 +5,19 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import kernels, lora, offline, serve, step_profile
+from . import (
+    fairness,
+    kernels,
+    lora,
+    lora_tables,
+    offline,
+    prefix,
+    quant,
+    sampling,
+    serve,
+    step,
+    step_profile,
+)
 
 
 def main() -> int:
@@ -15,9 +27,19 @@ def main() -> int:
     step_profile.add_arguments(commands.add_parser("profile", help="where a decode step's time goes"))
     serve.add_arguments(commands.add_parser("serve", help="loraplex serve under streaming load on loopback"))
     lora.add_arguments(commands.add_parser("lora", help="multi-LoRA benchmarks (issue 3)"))
+    step.add_arguments(commands.add_parser("step", help="a decode step's time against its counted floor"))
     kernels.add_arguments(
         commands.add_parser("kernels", help="the Triton kernels vs floors and torch baselines")
     )
+    fairness.add_arguments(
+        commands.add_parser("fairness", help="B's TTFT beside a flooding tenant (issue 18)")
+    )
+    prefix.add_arguments(commands.add_parser("prefix", help="4-turn chats with and without the prefix cache"))
+    sampling.add_arguments(commands.add_parser("sampling", help="per-row vs batched sampling (issue 16)"))
+    lora_tables.add_arguments(
+        commands.add_parser("lora-tables", help="LoRA tables per adapter set (issue 16)")
+    )
+    quant.add_arguments(commands.add_parser("quant", help="float32/bf16/int8/int4 vs llama.cpp (issue 19)"))
     args = parser.parse_args()
     return int(args.run(args))
 

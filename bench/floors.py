@@ -82,3 +82,60 @@ def offline_floors(
         "copy_gbps": bandwidth / 1e9,
     }
     return Floors(prefill, decode), rates
+
+
+# Peak rates of GPUs the step benchmark may meet (dense fp16/bf16 tensor-core FLOP/s, HBM bytes/s), from
+# the vendors' datasheets; a device not listed is measured instead (`copy_bandwidth` / `matmul_rate`).
+DEVICE_PEAKS: dict[str, tuple[float, float]] = {
+    "H100": (989e12, 3.35e12),  # SXM5
+    "H200": (989e12, 4.8e12),
+    "A100": (312e12, 2.0e12),  # SXM4 80 GB
+}
+
+
+@dataclass
+class StepCost:
+    """Counted bytes read and FLOPs of one decode step (one new token for each of `batch` requests)."""
+
+    batch: int
+    weight_bytes: int  # every linear layer's weights and the head, read once per step
+    kv_bytes: int  # every cached key and value of every request
+    adapter_bytes: int  # A and B of every adapter the step uses
+    flops: int
+
+    @property
+    def bytes(self) -> int:
+        return self.weight_bytes + self.kv_bytes + self.adapter_bytes
+
+    def floor_seconds(self, flops_per_second: float, bytes_per_second: float) -> float:
+        return max(self.flops / flops_per_second, self.bytes / bytes_per_second)
+
+
+def decode_step_cost(
+    config: ModelConfig, batch: int, context: int, element: int, adapters: int, rank: int
+) -> StepCost:
+    """The decode step of `batch` requests with `context` cached tokens each, `adapters` distinct
+    adapters of `rank` on q, k, v and o in every layer (the engine's default targets). Embedding rows
+    and norms are left out (a few KB)."""
+    head = config.vocab_size * config.hidden_size
+    layer_params = config.num_parameters() - config.vocab_size * config.hidden_size * (
+        1 if config.tie_word_embeddings else 2
+    )
+    kv_per_token = 2 * config.num_layers * config.kv_size
+    # (in, out) of q, k, v, o: A is [rank, in], B is [out, rank].
+    modules = [
+        (config.hidden_size, config.q_size),
+        (config.hidden_size, config.kv_size),
+        (config.hidden_size, config.kv_size),
+        (config.q_size, config.hidden_size),
+    ]
+    lora_params = config.num_layers * sum(rank * (i + o) for i, o in modules)
+    attention = 4 * config.num_layers * config.q_size * context  # QK^T and PV per request
+    flops = batch * (2 * (layer_params + head) + attention + 2 * lora_params)
+    return StepCost(
+        batch=batch,
+        weight_bytes=(layer_params + head) * element,
+        kv_bytes=batch * context * kv_per_token * element,
+        adapter_bytes=min(adapters, batch) * lora_params * element,
+        flops=flops,
+    )

@@ -44,19 +44,20 @@ def make_prompts(count: int, min_len: int, max_len: int, vocab: int, seed: int) 
 
 
 def run_engine(
-    model: str | None, dtype: str, prompts: list[list[int]], new_tokens: int
+    model: str | None, dtype: str, prompts: list[list[int]], new_tokens: int, quantization: str = "none"
 ) -> tuple[Result, ModelConfig]:
     from loraplex.engine import EngineConfig, LLMEngine, SamplingParams
 
-    engine = LLMEngine(EngineConfig(model=model, device="cpu", dtype=dtype))
+    engine = LLMEngine(EngineConfig(model=model, device="cpu", dtype=dtype, quantization=quantization))
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     engine.generate([prompts[0][:8]], SamplingParams(max_tokens=2, temperature=0.0))  # warm-up
     started = time.perf_counter()
     outputs = engine.generate(prompts, params)
     seconds = time.perf_counter() - started
     generated = sum(len(o.token_ids) for o in outputs)
+    system = "loraplex" if quantization == "none" else f"loraplex-{quantization}"
     return Result(
-        "loraplex", dtype, len(prompts), generated, sum(map(len, prompts)), seconds
+        system, dtype, len(prompts), generated, sum(map(len, prompts)), seconds
     ), engine.loaded.config
 
 
@@ -99,6 +100,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-prompt", type=int, default=400)
     parser.add_argument("--hf-batch-size", type=int, default=8)
     parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument(
+        "--quantization",
+        default="none",
+        help="the engine's weight-only quantization: none, int8, int4, int4-g128",
+    )
     parser.add_argument("--model", default=None, help="engine model (default: SmolLM2-135M-Instruct GGUF)")
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
@@ -118,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
         f"{'system':<14}{'dtype':<10}{'seconds':>9}{'gen tok/s':>11}{'vs hf':>8}{'floor':>8}{'of floor':>10}"
     )
     for dtype in args.dtypes.split(","):
-        engine, model_config = run_engine(args.model, dtype, prompts, args.new_tokens)
+        engine, model_config = run_engine(args.model, dtype, prompts, args.new_tokens, args.quantization)
         results = [engine]
         if not args.skip_transformers:
             results.append(run_transformers(dtype, prompts, args.new_tokens, args.hf_batch_size))

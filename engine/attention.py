@@ -50,17 +50,32 @@ class TritonAttention:
     def __init__(self, memory: torch.Tensor, batch: StepBatch, scale: float):
         # Imported here: the CPU path never needs Triton, and importing it costs a second.
         from .kernels import paged_decode_attention, prefill_attention, write_kv
+        from .model.layer_ops import kernel_ops
 
         self._write_kv = write_kv.write_kv
+        self._rotary_write_kv = write_kv.rotary_write_kv
+        # The model's norms and activation go through kernels too, and q, k come unrotated (rope=...).
+        self.layer_ops = kernel_ops()
         self._decode = paged_decode_attention.paged_decode_attention
         self._prefill = prefill_attention.prefill_attention_varlen
         self.memory = memory
         self.batch = batch
         self.scale = scale
 
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def __call__(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
         b, memory = self.batch, self.memory
-        self._write_kv(memory, layer, k, v, b.slots)
+        if rope is None:
+            self._write_kv(memory, layer, k, v, b.slots)
+        else:  # one launch rotates q and k in place and stores k and v
+            self._rotary_write_kv(memory, layer, q, k, v, b.slots, *rope)
         out = torch.empty_like(q)
         decode = b.decode
         if decode is not None:

@@ -12,6 +12,14 @@ as views of that copy. The dozen small `torch.tensor(..., device=...)` calls thi
 synchronous transfer from pageable memory. The buffer holds int32 units; int64 sections come first, so
 each starts at an even offset and is viewed as int64.
 
+Decode-only steps can be laid out graph-ready (`DecodeBuckets`): padded to the next batch-size bucket,
+block tables as wide as the longest sequence the engine allows, and one copy of a fixed size per
+bucket, so every step of a bucket has the same shapes and grids whatever its requests are (what a CUDA
+graph replays). Padding rows are decodes of token 0 at position 0 whose one-token context is a
+reserved padding page the engine sets aside (never page 0, which must stay zero): they write there,
+read there, and their logits are dropped. (The torch path's LoRA grouping, `LoraBatch.order` and the
+slot counts, stays sized per step: the kernels do not read it, and the torch path is not captured.)
+
 This module knows nothing of the scheduler, the runner or adapter residency: chunks are anything with
 the `StepChunk` shape.
 """
@@ -64,6 +72,63 @@ def order_chunks(chunks: Sequence[Chunk]) -> list[Chunk]:
     """Decodes first, longest context first, then prefill chunks: the layout `BatchBuilder.build` wants."""
     decodes = sorted((c for c in chunks if c.num_tokens == 1), key=lambda c: -c.end)
     return decodes + [c for c in chunks if c.num_tokens > 1]
+
+
+# Batch sizes a graph-ready decode step is padded to (vLLM's capture sizes are of the same kind).
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+@dataclass(frozen=True)
+class DecodeBuckets:
+    """How decode-only steps are padded: to the smallest of `sizes` that holds them, block tables
+    `max_blocks` wide, padding rows on `padding_page`. A step larger than every bucket is not padded."""
+
+    sizes: tuple[int, ...]
+    max_blocks: int  # pages of the longest sequence the engine allows
+    padding_page: int  # a reserved page padding rows write and read (not page 0: it must stay zero)
+
+    def __post_init__(self) -> None:
+        if not self.sizes or list(self.sizes) != sorted(set(self.sizes)) or self.sizes[0] < 1:
+            raise ValueError(f"bucket sizes must be positive and ascending, got {self.sizes}")
+        if self.max_blocks < 1:
+            raise ValueError(f"max_blocks must be at least 1, got {self.max_blocks}")
+        if self.padding_page < 1:
+            raise ValueError("the padding page cannot be page 0, which stays zero")
+
+    @classmethod
+    def up_to(cls, largest: int, max_blocks: int, padding_page: int) -> DecodeBuckets:
+        """DEFAULT_BUCKETS below `largest`, then `largest` itself (a step never has more decodes)."""
+        sizes = (*(b for b in DEFAULT_BUCKETS if b < largest), largest)
+        return cls(sizes, max_blocks, padding_page)
+
+    def bucket(self, num_decodes: int) -> int | None:
+        return next((b for b in self.sizes if b >= num_decodes), None)
+
+    def upload_size(self, bucket: int) -> int:
+        """Int32 units of the step buffer of a bucket at its largest (every row with its own adapter):
+        each step of the bucket copies exactly this many, so the copy has one shape too."""
+        int64 = 4 * bucket + bucket * self.max_blocks + bucket + bucket  # ids, pos, slots, logits; tables,
+        return 2 * int64 + 3 * bucket  # lens, lora_order; decode_slots, slot_counts, slot_ends
+
+
+@dataclass(frozen=True)
+class _PaddingRequest:
+    pages: tuple[int, ...]
+    adapter: None = None
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        return [0] * (end - start)
+
+
+@dataclass(frozen=True)
+class _PaddingChunk:
+    """A decode of token 0 at position 0 whose KV slot and context are the padding page's first slot."""
+
+    request: _PaddingRequest
+    start: int = 0
+    num_tokens: int = 1
+    end: int = 1
+    samples: bool = True
 
 
 # A decode group closes when the next context needs fewer than this share of the group's widest pages.
@@ -187,6 +252,7 @@ class StepBatch:
     prefill: PrefillBatch | None  # rows [D, T)
     lora: LoraBatch | None  # None: no row has an adapter
     chunk_adapters: list[tuple[int, str | None]] = field(default_factory=list)  # (rows, adapter) per chunk
+    num_padding: int = 0  # padding decodes at the end of the decode rows (and of the sampled rows)
 
     @property
     def num_tokens(self) -> int:
@@ -242,11 +308,14 @@ class _Layout:
 class BatchBuilder:
     """Builds StepBatches on one device, reusing one host buffer from step to step."""
 
-    def __init__(self, page_size: int, device: torch.device | str):
+    def __init__(self, page_size: int, device: torch.device | str, buckets: DecodeBuckets | None = None):
+        """`buckets`: lay decode-only steps out graph-ready (see DecodeBuckets); None: exact sizes."""
         if page_size < 1:
             raise ValueError(f"page_size must be at least 1, got {page_size}")
         self.page_size = page_size
         self.device = torch.device(device)
+        self.buckets = buckets
+        self._static: dict[int, torch.Tensor] = {}  # bucket -> its device metadata buffer
         # Pinned memory lets the copy run asynchronously; it needs CUDA, and only helps a CUDA device.
         self._pinned = self.device.type == "cuda" and torch.cuda.is_available()
         self._host = torch.empty(0, dtype=torch.int32)
@@ -259,6 +328,13 @@ class BatchBuilder:
         """The batch of `chunks`, laid out as `order_chunks` orders them (decodes first)."""
         if not chunks:
             raise ValueError("a step needs at least one chunk")
+        bucket = self._bucket(chunks)
+        num_padding = 0
+        if bucket is not None:
+            assert self.buckets is not None
+            num_padding = bucket - len(chunks)
+            padding = _PaddingChunk(_PaddingRequest((self.buckets.padding_page,)))
+            chunks = [*chunks, *[padding] * num_padding]
         page_size = self.page_size
         num_decodes = 0
         blocks = []  # pages each chunk's context spans
@@ -277,6 +353,13 @@ class BatchBuilder:
                 )
         decodes, prefills = chunks[:num_decodes], chunks[num_decodes:]
         decode_width = max(blocks[:num_decodes], default=0)
+        if bucket is not None:
+            assert self.buckets is not None
+            if decode_width > self.buckets.max_blocks:
+                raise ValueError(
+                    f"a decode spans {decode_width} pages, more than the buckets' {self.buckets.max_blocks}"
+                )
+            decode_width = self.buckets.max_blocks  # one width, one grid, for every step of a bucket
         prefill_width = max(blocks[num_decodes:], default=0)
         names = tuple(sorted({c.request.adapter for c in chunks if c.request.adapter is not None}))
         slot_of = {name: u for u, name in enumerate(names)}
@@ -297,6 +380,9 @@ class BatchBuilder:
                 "q_starts": p + 1 if p else 0,
                 "prefill_lens": p,
                 "lora_order": lora_rows,
+                # A bucket reserves lora_order at its largest, so decode_slots (what the LoRA kernels
+                # read) sits at one offset for every step of the bucket: a captured graph reads it there.
+                "lora_order_reserve": bucket - lora_rows if bucket is not None else 0,
             },
             int32={
                 "decode_slots": num_decodes if names else 0,
@@ -306,7 +392,11 @@ class BatchBuilder:
                 "slot_ends": len(names),
             },
         )
-        host = self._host_arrays(layout)
+        upload = layout.total
+        if bucket is not None and self.buckets is not None:
+            upload = self.buckets.upload_size(bucket)
+            assert upload >= layout.total, "a bucket's fixed copy must hold its largest layout"
+        host = self._host_arrays(layout, upload)
 
         # Tokens, positions, KV slots, sampled rows: one pass over the chunks.
         ids: list[int] = []
@@ -334,9 +424,13 @@ class BatchBuilder:
         host["logits_indices"][:] = logits_rows
 
         # Block tables, padded with the zero page (page 0 is reserved and never holds a token).
-        host["decode_tables"][:] = _padded([c.request.pages for c in decodes], blocks[:num_decodes])
+        host["decode_tables"][:] = _padded(
+            [c.request.pages for c in decodes], blocks[:num_decodes], decode_width
+        )
         host["decode_lens"][:] = [c.end for c in decodes]
-        host["prefill_tables"][:] = _padded([c.request.pages for c in prefills], blocks[num_decodes:])
+        host["prefill_tables"][:] = _padded(
+            [c.request.pages for c in prefills], blocks[num_decodes:], prefill_width
+        )
         chunk_starts = [num_decodes]
         for c in prefills:
             chunk_starts.append(chunk_starts[-1] + c.num_tokens)
@@ -348,8 +442,18 @@ class BatchBuilder:
         if names:
             self._fill_lora(host, chunks, chunk_slots, counts, num_decodes, chunk_starts)
 
-        views = layout.tensors(self._upload(layout.total))
-        return self._assemble(chunks, views, blocks, num_decodes, chunk_starts, names, chunk_slots, counts)
+        views = layout.tensors(self._upload(upload, bucket))
+        batch = self._assemble(
+            chunks, views, blocks, num_decodes, decode_width, chunk_starts, names, chunk_slots, counts
+        )
+        batch.num_padding = num_padding
+        return batch
+
+    def _bucket(self, chunks: Sequence[StepChunk]) -> int | None:
+        """The bucket of a decode-only step when buckets are on; None: lay it out exactly."""
+        if self.buckets is None or any(c.num_tokens != 1 for c in chunks):
+            return None
+        return self.buckets.bucket(len(chunks))
 
     def _fill_lora(
         self,
@@ -380,24 +484,34 @@ class BatchBuilder:
         host["slot_counts"][:] = counts
         host["slot_ends"][:] = np.cumsum(counts)
 
-    def _host_arrays(self, layout: _Layout) -> dict[str, np.ndarray]:
+    def _host_arrays(self, layout: _Layout, upload: int) -> dict[str, np.ndarray]:
         if self._copied is not None:
             self._copied.synchronize()  # the previous step's copy may still be reading the buffer
-        if self._host.numel() < layout.total:
+        if self._host.numel() < upload:
             # Grown to twice what is needed (kept even, for the int64 view): steps vary in size, and
             # a buffer that fits the largest so far is not reallocated again.
-            capacity = max(4096, 2 * layout.total + 2)
+            capacity = max(4096, 2 * upload + 2)
             capacity += capacity % 2
             self._host = torch.empty(capacity, dtype=torch.int32, pin_memory=self._pinned)
             self._flat = self._host.numpy()
             self.stats.allocations += 1
         return layout.arrays(self._flat)
 
-    def _upload(self, total: int) -> torch.Tensor:
+    def _upload(self, total: int, bucket: int | None = None) -> torch.Tensor:
         """The filled prefix of the host buffer on the device: the step's one metadata copy. On the CPU
-        it is a copy too, so a batch stays valid after the next one is built into the same buffer."""
+        it is a copy too, so a batch stays valid after the next one is built into the same buffer.
+        A graph-ready step (`bucket`) copies into its bucket's one device buffer instead, so every
+        step of the bucket reads its metadata at the same addresses (what a captured graph reads);
+        its batch is valid until the next step of the bucket (the copy is ordered after the previous
+        step's kernels on the stream)."""
         host = self._host[:total]
-        device = host.to(self.device, non_blocking=self._pinned, copy=True)
+        if bucket is None:
+            device = host.to(self.device, non_blocking=self._pinned, copy=True)
+        else:
+            if bucket not in self._static:
+                self._static[bucket] = torch.empty(total, dtype=torch.int32, device=self.device)
+            device = self._static[bucket]
+            device.copy_(host, non_blocking=self._pinned)
         if self._copied is not None:
             self._copied.record()
         self.stats.builds += 1
@@ -410,6 +524,7 @@ class BatchBuilder:
         views: dict[str, torch.Tensor],
         blocks: list[int],
         num_decodes: int,
+        decode_width: int,
         chunk_starts: list[int],
         names: tuple[str, ...],
         chunk_slots: list[int],
@@ -417,8 +532,7 @@ class BatchBuilder:
     ) -> StepBatch:
         decode = None
         if num_decodes:
-            width = max(blocks[:num_decodes])
-            tables = views["decode_tables"].view(num_decodes, width)
+            tables = views["decode_tables"].view(num_decodes, decode_width)
             decode = DecodeBatch(tables, views["decode_lens"], blocks[:num_decodes])
         prefill = None
         prefills = chunks[num_decodes:]
@@ -467,9 +581,8 @@ class BatchBuilder:
         )
 
 
-def _padded(tables: Sequence[Sequence[int]], widths: list[int]) -> list[int]:
-    """Each table cut to its width and padded with the zero page to the widest, flattened."""
-    widest = max(widths, default=0)
+def _padded(tables: Sequence[Sequence[int]], widths: list[int], widest: int) -> list[int]:
+    """Each table cut to its width and padded with the zero page to `widest`, flattened."""
     flat: list[int] = []
     for pages, width in zip(tables, widths, strict=True):
         flat.extend(pages[:width])

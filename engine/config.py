@@ -10,6 +10,8 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated
 
+from .model.cpu_features import cpu_auto_dtype
+from .model.quant_formats import QUANTIZATIONS
 from .model.sources import check_model_uri
 from .options import Opt, markdown_table, options_of
 
@@ -48,10 +50,20 @@ class EngineConfig:
     dtype: Annotated[
         str,
         Opt(
-            "weights and activations: auto is bfloat16 on CUDA, float32 on the CPU",
+            "activations (and weights unless quantized): auto is bfloat16 on CUDA and on a CPU that "
+            "computes it natively (AMX or AVX512-BF16), float32 on other CPUs",
             choices=("auto", *DTYPE_NAMES),
         ),
     ] = "auto"
+    quantization: Annotated[
+        str,
+        Opt(
+            "weight-only quantization of the base model's linear layers (adapters stay in the activation "
+            "dtype): int8 per output channel; int4 in groups of 32 weights (GGUF Q4_0/Q4_1 tensors are kept "
+            "as they are), int4-g128 in groups of 128; the lm_head is int8 in every mode",
+            choices=QUANTIZATIONS,
+        ),
+    ] = "none"
     page_size: Annotated[int, Opt("tokens per page of the pool", minimum=1)] = 16
     num_pages: Annotated[
         int | None,
@@ -97,15 +109,56 @@ class EngineConfig:
     max_resident_adapters: Annotated[
         int | None, Opt("adapters in the pool at once", minimum=1, none="as many as pages allow")
     ] = None
+    prefix_caching: Annotated[
+        bool,
+        Opt(
+            "keep full KV pages, keyed by the adapter's weights digest and their tokens, and start a "
+            "request past the longest prefix already there (evicted least recently used with unused "
+            "adapters)"
+        ),
+    ] = True
     adapter_prefetch_depth: Annotated[
         int, Opt("queued requests whose adapters are read ahead into host memory", minimum=0)
     ] = 32
+    scheduling: Annotated[
+        str,
+        Opt(
+            "which waiting request joins next: fair is per-tenant virtual token counters (the tenant "
+            "with the least weighted service goes first), fcfs is arrival order",
+            choices=("fair", "fcfs"),
+        ),
+    ] = "fair"
+    fair_prompt_weight: Annotated[
+        float, Opt("cost of a prompt token in a tenant's fair-share counter", minimum=0.0)
+    ] = 1.0
+    fair_output_weight: Annotated[
+        float, Opt("cost of an output token in a tenant's fair-share counter", minimum=0.0)
+    ] = 2.0
     kernels: Annotated[
         str,
         Opt(
             "attention and LoRA as Triton kernels or torch: auto is Triton on CUDA, torch on the CPU "
             "(triton on the CPU needs TRITON_INTERPRET=1)",
             choices=("auto", "triton", "torch"),
+        ),
+    ] = "auto"
+    graph_decode: Annotated[
+        str,
+        Opt(
+            "decode-only steps graph-ready: padded to batch-size buckets with fixed shapes, grids and one "
+            "fixed-size metadata copy (one reserved padding page), replayed from captured CUDA graphs on "
+            "CUDA with the Triton kernels; auto is on with CUDA, off on the CPU, where padding is only "
+            "extra work",
+            choices=("auto", "on", "off"),
+        ),
+    ] = "auto"
+    async_scheduling: Annotated[
+        str,
+        Opt(
+            "host work that needs none of a step's tokens (adapter prefetch for the queue) runs while "
+            "the step is on the device, before its tokens are read; auto is on with CUDA, off on the CPU, "
+            "where the device is the host",
+            choices=("auto", "on", "off"),
         ),
     ] = "auto"
     seed: Annotated[
@@ -149,9 +202,21 @@ class EngineConfig:
     def torch_dtype(self, device: torch.device) -> torch.dtype:
         import torch
 
-        if self.dtype == "auto":
-            return torch.bfloat16 if device.type == "cuda" else torch.float32
-        return getattr(torch, self.dtype)  # one of DTYPE_NAMES, which are torch's names
+        return getattr(torch, self.dtype_name(device))
+
+    def dtype_name(self, device: torch.device) -> str:
+        """The dtype `auto` resolves to on `device` (one of DTYPE_NAMES)."""
+        if self.dtype != "auto":
+            return self.dtype
+        return "bfloat16" if device.type == "cuda" else cpu_auto_dtype()[0]
+
+    def graph_ready(self, device: torch.device) -> bool:
+        """Whether decode-only steps are padded to fixed shapes per batch-size bucket."""
+        return self.graph_decode == "on" or (self.graph_decode == "auto" and device.type == "cuda")
+
+    def overlaps(self, device: torch.device) -> bool:
+        """Whether the step's token-independent host work overlaps its device work."""
+        return self.async_scheduling == "on" or (self.async_scheduling == "auto" and device.type == "cuda")
 
     def use_kernels(self, device: torch.device) -> bool:
         """Whether attention and LoRA run as Triton kernels. On the CPU that needs Triton's interpreter

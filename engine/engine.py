@@ -28,22 +28,29 @@ from loraplex.adapters import AdapterManifest, BaseShape
 # be read, retry later; ENGINE_ERROR: the engine's own failure.
 from loraplex.wire import ADAPTER_FAILED, ADAPTER_UNAVAILABLE, ENGINE_ERROR
 
+from .batch import DecodeBuckets
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
+from .fairness import VirtualTokenCounter
+from .graphs import CudaGraphBackend, DecodeGraphs
 from .kv_cache import KVCache, page_bytes
 from .lora.loader import AdapterLoader, LoadFailure
 from .lora.registry import AdapterRegistry
 from .lora.sources import AdapterSource, DirectorySource
 from .lora.step import KernelLoraStacker, LoraStacker
+from .model.cpu_features import cpu_auto_dtype
 from .model.loader import LoadedModel, load_model
+from .model.quantize_weights import weight_bytes
 from .pool import PageKind, PagePool
+from .prefix_cache import PrefixCache
 from .request import OutputState, Request, RequestOutput, RequestStatus, SamplingState
 from .runner import ModelRunner
-from .sampler import sample, token_logprobs
+from .sampler import sample_step
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledChunk, Scheduler, StepPlan
 from .stats import AdapterFacts, AdapterInfo, EngineStats
 from .stopping import StopChecker, next_delta
+from .warmup import warm_up
 
 log = logging.getLogger(__name__)
 
@@ -97,15 +104,31 @@ class LLMEngine:
         self.config = config = config or EngineConfig()
         device = config.torch_device()
         dtype = config.torch_dtype(device)
+        if config.dtype == "auto" and device.type == "cpu":
+            log.info("dtype auto on the CPU: %s, as %s", dtype, cpu_auto_dtype()[1])
         if loaded is None:
             loaded = load_model(
-                config.model, dtype, device, config.seed, config.max_model_len, config.model_cache
+                config.model,
+                dtype,
+                device,
+                config.seed,
+                config.max_model_len,
+                config.model_cache,
+                config.quantization,
             )
-        elif loaded.model.dtype != dtype or loaded.model.device.type != device.type:
+        elif (
+            loaded.model.dtype != dtype
+            or loaded.model.device.type != device.type
+            or loaded.quantization != config.quantization
+        ):
             raise ValueError(
-                f"the loaded model is {loaded.model.dtype} on {loaded.model.device}, "
-                f"the engine config asks for {dtype} on {device}"
+                f"the loaded model is {loaded.model.dtype} on {loaded.model.device} with quantization "
+                f"{loaded.quantization}, the engine config asks for {dtype} on {device} with quantization "
+                f"{config.quantization}"
             )
+        # Weights first, then the pool: on CUDA the pool takes a share of what the weights leave free,
+        # so the bytes quantization saves become KV and adapter pages.
+        self.weight_bytes = weight_bytes(loaded.model)
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
         model_config = loaded.config
@@ -120,6 +143,13 @@ class LLMEngine:
         # Page 0 stays zero forever: padded block tables and LoRA stacks point at it.
         if self.pool.allocate(1, "zero-page", PageKind.RESERVED) != [0]:
             raise RuntimeError("a fresh pool must hand out page 0 first")
+        buckets = None
+        if config.graph_ready(device):
+            # Padding rows of a graph-ready decode step write their keys and values here, never to a
+            # request's page or the zero page (engine/batch.py).
+            (padding_page,) = self.pool.allocate(1, "padding-page", PageKind.RESERVED)
+            max_blocks = -(-self.max_model_len // config.page_size)
+            buckets = DecodeBuckets.up_to(config.max_num_seqs, max_blocks, padding_page)
         self.cache = KVCache(model_config, num_pages, config.page_size, dtype, device)
         head_dim = model_config.head_dim
         self.registry = AdapterRegistry(self.pool, config.max_resident_adapters)
@@ -131,6 +161,10 @@ class LLMEngine:
             host_cache_bytes=config.adapter_host_cache_bytes,
         )
         eos = self.tokenizer.eos_token_ids if self.tokenizer else model_config.eos_token_ids
+        self.prefix_cache: PrefixCache | None = None
+        if config.prefix_caching:
+            self.prefix_cache = PrefixCache(self.pool, config.page_size, self._adapter_digest)
+            self.registry.listeners.append(self.prefix_cache)  # a forgotten adapter's pages go with it
         self.scheduler = Scheduler(
             self.pool,
             config.page_size,
@@ -138,21 +172,42 @@ class LLMEngine:
             config.max_batch_tokens,
             self.registry,
             stop=StopChecker(eos, self.max_model_len),
+            fairness=VirtualTokenCounter(config.fair_prompt_weight, config.fair_output_weight)
+            if config.scheduling == "fair"
+            else None,
+            prefix_cache=self.prefix_cache,
         )
         use_kernels = config.use_kernels(device)
         stacker = KernelLoraStacker(self.loader) if use_kernels else LoraStacker(self.loader)
-        self.runner = ModelRunner(loaded.model, self.cache, stacker, use_kernels)
+        graphs = None
+        if buckets is not None and use_kernels and device.type == "cuda":
+            # Graph-ready decode steps on CUDA replay captured graphs, one per bucket and adapter set.
+            graphs = DecodeGraphs(CudaGraphBackend(device))
+        self.runner = ModelRunner(loaded.model, self.cache, stacker, use_kernels, buckets, graphs)
+        self._overlap = config.overlaps(device)
+        if use_kernels:  # compiles every kernel variant now, so no request waits on one; nothing off CUDA
+            warm_up(model_config, dtype, config.page_size, config.max_num_seqs, device)
         self._requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self._seeds = torch.Generator().manual_seed(config.seed)
         log.info(
-            "engine ready: %s, %d pages of %d tokens (%.1f MiB), max_model_len %d",
+            "engine ready: %s, %s, quantization %s, weights %.1f MiB, %d pages of %d tokens (%.1f MiB), "
+            "max_model_len %d",
             loaded.source,
+            dtype,
+            loaded.quantization,
+            self.weight_bytes / 2**20,
             num_pages,
             config.page_size,
             num_pages * page_bytes(model_config, config.page_size, dtype) / 2**20,
             self.max_model_len,
         )
+
+    def _adapter_digest(self, name: str) -> str:
+        """What the prefix cache keys an adapter's pages by: its weights, never its name."""
+        entry = self.registry.entry(name)
+        assert entry is not None, f"adapter {name} is not registered"
+        return entry.manifest.sha256
 
     def _pages_that_fit(self, device: torch.device, dtype: torch.dtype) -> int:
         per_page = page_bytes(self.loaded.config, self.config.page_size, dtype)
@@ -209,9 +264,14 @@ class LLMEngine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         adapter: str | None = None,
+        tenant: str | None = None,
+        tenant_weight: float = 1.0,
     ) -> str:
         """Queue a prompt (text, or token ids) and return its request id; `adapter` names a registered
-        adapter (None: the base model). Its adapter starts loading into host memory now."""
+        adapter (None: the base model). Its adapter starts loading into host memory now. `tenant` is
+        who asked (None: the anonymous tenant) and `tenant_weight` that tenant's share of a busy engine."""
+        if not tenant_weight > 0:
+            raise ValueError(f"tenant_weight must be positive, got {tenant_weight}")
         params = params or SamplingParams()
         if adapter is not None:
             self._check_adapter(adapter)
@@ -242,6 +302,8 @@ class LLMEngine:
             params,
             arrival,
             adapter=adapter,
+            tenant=tenant,
+            tenant_weight=tenant_weight,
             output=OutputState(prompt=text, detokenizer=detokenizer),
             sampling=SamplingState(generator=generator),
         )
@@ -272,7 +334,7 @@ class LLMEngine:
                 "so the prompt must be shorter to leave room for output"
             )
         longest = min(len(ids) + params.max_tokens, self.max_model_len)
-        usable = self.pool.num_pages - 1  # less the zero page
+        usable = self.pool.num_pages - self.pool.pages_by_kind()[PageKind.RESERVED.value]  # zero, padding
         # Alone in the pool, the request must fit with its adapter, or it could never finish.
         adapter_pages = self.registry.pages_of(adapter) if adapter is not None else 0
         kv_pages = self.scheduler.pages_for(longest)
@@ -324,6 +386,7 @@ class LLMEngine:
             host_cache_hits=host.stats.hits,
             host_cache_waits=host.stats.waits,
             host_cache_misses=host.stats.misses,
+            prefix=self.prefix_cache.stats() if self.prefix_cache is not None else None,
         )
 
     # -- the loop ---------------------------------------------------------------------------------
@@ -334,25 +397,35 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         outputs = self._refused(plan)
         outputs += self._load_adapters(plan)
-        self.loader.prefetch(self._next_adapters())
+        if not self._overlap:
+            self.loader.prefetch(self._next_adapters())
         if not plan.chunks:
+            if self._overlap:
+                self.loader.prefetch(self._next_adapters())
             if self.scheduler.waiting and not self.scheduler.running and not outputs:
                 raise RuntimeError("the scheduler could not admit any request into an empty pool")
             return outputs
         plan.chunks = self.runner.order(plan.chunks)
+        prefetched = False
         try:
-            logits = self._forward(plan.chunks)
+            logits, finite = self._launch(plan.chunks)
+            sampled = sample_step(logits, plan.sampling, finite)
+            if self._overlap:
+                # The step is queued on the device and nothing of it is read yet: host work that
+                # needs none of its tokens runs meanwhile (async_scheduling).
+                self.loader.prefetch(self._next_adapters())
+                prefetched = True
+            # The step's one device-to-host copy: tokens, finite flags, logprobs. Rows that are not
+            # finite fail the step before any token or logprob lands on a request.
+            self._check_finite(plan.chunks, sampled.finite())
         except Exception as error:
+            if self._overlap and not prefetched:
+                self.loader.prefetch(self._next_adapters())
             plan.chunks, survived = self._isolate_fault(plan.chunks, error, outputs)
             if survived is None:
                 return outputs
-            logits = survived
-        sampling = plan.sampling
-        tokens = sample(logits, sampling)
-        token_logprobs(logits, sampling, tokens)
-        for row, request in enumerate(sampling):
-            if request.sampling.keep_logits:
-                request.sampling.last_logits = logits[row].cpu()
+            sampled = sample_step(survived, plan.sampling)
+        tokens = sampled.resolve()  # logprobs and kept logits land on the requests
         for request in self.scheduler.postprocess(plan, tokens):
             if request.finished:
                 self._requests.pop(request.request_id, None)
@@ -392,12 +465,25 @@ class LLMEngine:
 
     def _forward(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
         """Logits [S, vocab] of the chunks' sampled rows; NonFiniteLogits if any row is not finite."""
-        logits = self.runner.execute(self.runner.build(chunks))
-        finite = torch.isfinite(logits).all(dim=-1)  # [S]
-        if not bool(finite.all()):
-            sampled = [c.request.request_id for c in chunks if c.samples]
-            raise NonFiniteLogits([sampled[i] for i in (~finite).nonzero().flatten().tolist()])
+        logits, finite = self._launch(chunks)
+        self._check_finite(chunks, finite.tolist())  # the fault path: a copy of its own
         return logits
+
+    def _check_finite(self, chunks: list[ScheduledChunk], flags: list[bool]) -> None:
+        if not all(flags):
+            sampled = [c.request.request_id for c in chunks if c.samples]
+            raise NonFiniteLogits([sampled[i] for i, ok in enumerate(flags) if not ok])
+
+    def _launch(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The chunks' sampled rows' logits [S, vocab] and whether each row is finite [S], both still
+        on the device: from the metadata copy to here nothing reads a device value, so nothing waits
+        for the device (what a captured CUDA graph of the decode step needs; tests/engine/test_dispatch.py).
+        The padding rows of a graph-ready step are computed with the rest and dropped here (views)."""
+        batch = self.runner.build(chunks)
+        logits = self.runner.execute(batch)  # [S + padding, vocab]
+        finite = torch.isfinite(logits).all(dim=-1)  # over every row: one shape per bucket
+        real = logits.shape[0] - batch.num_padding
+        return logits[:real], finite[:real]
 
     def _isolate_fault(
         self, chunks: list[ScheduledChunk], error: Exception, outputs: list[RequestOutput]
@@ -516,6 +602,7 @@ class LLMEngine:
             stop_reason=state.stop_reason,
             logprobs=list(state.logprobs) if request.params.logprobs is not None else None,
             error=state.error,
+            num_cached_tokens=request.num_cached_tokens,
         )
         if isinstance(output, FailedOutput) and code is not None:
             output.error_code = code

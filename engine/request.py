@@ -68,9 +68,14 @@ class Request:
     params: SamplingParams
     arrival: int  # admission order; earlier requests keep their pages when the pool runs out
     adapter: str | None = None  # a registered adapter's name; None is the base model
+    # Who asked (the gateway's tenant header; None: the one anonymous tenant) and that tenant's share of
+    # a busy engine relative to others (the gateway's tenant weight header, default 1).
+    tenant: str | None = None
+    tenant_weight: float = 1.0
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose keys and values are in the cache
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission (not computed)
     pages: list[int] = field(default_factory=list)
     holds_adapter: bool = False  # admitted: holds a reference that keeps its adapter resident
     num_preemptions: int = 0
@@ -111,3 +116,4 @@ class RequestOutput:
     stop_reason: str | int | None = None
     logprobs: list[TokenLogprob] | None = None  # every output token's, when the request asked for them
     error: str | None = None  # finish_reason "error": what went wrong (e.g. its adapter failed to load)
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache instead of computed

@@ -1,56 +1,262 @@
-"""Next-token choice from logits: greedy, temperature, top-k, top-p, each request with its own RNG."""
+"""Next-token choice for a whole step at once, on the logits' own device.
+
+One pass over the step's rows: greedy rows take the argmax; the others go through temperature, top-k,
+top-p and min-p as masks over the batch, then inverse-CDF sampling with one uniform number per row.
+That number comes from a counter-based hash of (the request's seed, its output position), computed on
+the host, so a request's tokens depend on its seed and nothing else: not on the rows beside it, their
+order, the device, or how often it was preempted. Nothing here reads a device value until
+`StepSample.resolve()`, which copies the step's token ids (with the asked-for logprob values packed in
+the same tensor) to the host in one copy.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 
 from .request import Request, TokenLogprob
 
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    """A 64-bit finaliser (Steele et al.'s SplitMix64): consecutive inputs give unrelated outputs."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def uniform(seed: int, position: int) -> float:
+    """The uniform number in [0, 1) that draws output token `position` of a request seeded `seed`:
+    24 bits, so it is exact in float32 on every device."""
+    return (_splitmix64(_splitmix64(seed & _MASK64) ^ position) >> 40) / float(1 << 24)
+
+
+def request_seed(request: Request) -> int:
+    """The seed a request draws with: its generator's (the engine seeds one per sampled request)."""
+    generator = request.sampling.generator
+    if generator is None:
+        raise ValueError(f"request {request.request_id!r} samples but has no generator to seed it")
+    return int(generator.initial_seed())
+
+
+def filter_logits(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+    *,
+    max_top_k: int,
+    any_top_p: bool,
+    any_min_p: bool,
+) -> torch.Tensor:
+    """Float32 logits [S, V] scaled by temperature [S], with the tokens that top-k [S] (0: none), top-p
+    [S] and min-p [S] drop set to -inf, in that order (vLLM's). The host-known flags skip the passes no
+    row needs (top-p sorts the vocabulary)."""
+    logits = logits / temperature[:, None]
+    vocab = logits.shape[-1]
+    if max_top_k > 0:
+        k = top_k.long().clamp(max=vocab)
+        kth = logits.topk(min(max_top_k, vocab), dim=-1).values.gather(1, (k - 1).clamp(min=0)[:, None])
+        kth = kth.masked_fill((k == 0)[:, None], float("-inf"))  # [S, 1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if any_top_p:
+        ordered = logits.sort(dim=-1, descending=True).values
+        probs = ordered.softmax(dim=-1)
+        # Drop a token when the tokens before it already reach top_p; the first always stays.
+        kept = ((probs.cumsum(dim=-1) - probs) < top_p[:, None]).sum(dim=-1, keepdim=True)  # [S, 1]
+        # At least 1 (0 only in a row that is not finite, which the engine fails after this step's copy:
+        # every index here stays in range, as a device-side assert would end the process).
+        kept = kept.clamp(min=1)
+        logits = logits.masked_fill(logits < ordered.gather(1, kept - 1), float("-inf"))
+    if any_min_p:
+        # p >= min_p * p_max is logit >= max_logit + log(min_p): no softmax needed.
+        floor = logits.amax(dim=-1, keepdim=True) + min_p.clamp(min=1e-30).log()[:, None]
+        floor = floor.masked_fill((min_p == 0)[:, None], float("-inf"))
+        logits = logits.masked_fill(logits < floor, float("-inf"))
+    return logits
+
+
+BLOCK = 128  # vocabulary entries per block of the two-level inverse CDF
+
+
+def draw(logits: torch.Tensor, uniforms: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Token ids [S] int64 from logits [S, V] (-inf: never) times scale [S] (1/temperature, when not
+    applied yet) and uniforms [S] in [0, 1): the first token whose cumulative probability exceeds u
+    (inverse CDF), one uniform per row. Two levels, so no pass writes a [S, V] cumulative sum: per-block
+    sums find the block, then a cumulative sum over that block's BLOCK weights finds the token."""
+    rows, vocab = logits.shape
+    # softmax works row by row (a row stays in cache); masked tokens weigh exactly 0.
+    weights = (logits if scale is None else logits * scale[:, None]).softmax(dim=-1)  # [S, V]
+    blocks = -(-vocab // BLOCK)
+    if blocks * BLOCK != vocab:
+        weights = torch.nn.functional.pad(weights, (0, blocks * BLOCK - vocab))  # zero weight: never drawn
+    tiles = weights.view(rows, blocks, BLOCK)
+    block_cdf = tiles.sum(dim=-1).cumsum(dim=-1)  # [S, blocks]
+    target = _below(uniforms[:, None] * block_cdf[:, -1:], block_cdf[:, -1:])  # [S, 1]
+    block = torch.searchsorted(block_cdf, target, right=True).clamp(max=blocks - 1)  # [S, 1]
+    before = block_cdf.gather(1, (block - 1).clamp(min=0)).masked_fill(block == 0, 0.0)
+    inner = tiles.gather(1, block[:, :, None].expand(rows, 1, BLOCK)).view(rows, BLOCK).cumsum(dim=-1)
+    offset = torch.searchsorted(inner, _below(target - before, inner[:, -1:]), right=True)
+    return (block * BLOCK + offset.clamp(max=BLOCK - 1)).view(-1).clamp(max=vocab - 1)
+
+
+def _below(value: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+    """value, kept strictly below total: the token found then has a weight above zero."""
+    return torch.minimum(value, torch.nextafter(total, torch.zeros_like(total)))
+
+
+@dataclass
+class StepSample:
+    """A step's sampled tokens, still on the device. `tokens` [S] int64 can feed the next step without a
+    host sync; `resolve()` is the step's one device-to-host copy."""
+
+    tokens: torch.Tensor  # [S] int64
+    requests: Sequence[Request]
+    logits: torch.Tensor  # [S, V], for the rows that keep theirs
+    # Token ids, then per asking row its chosen logprob, then its top values and ids, as float64 [S + ...].
+    packed: torch.Tensor
+    logprob_rows: list[int] = field(default_factory=list)
+    widest: int = 0
+    has_finite: bool = False  # the caller's per-row finite flags follow the token ids in `packed`
+    _resolved: list[int] | None = None
+    _values: list[float] | None = None
+
+    def _copy(self) -> list[float]:
+        if self._values is None:
+            self._values = self.packed.tolist()  # the one device-to-host copy
+        return self._values
+
+    def finite(self) -> list[bool]:
+        """Whether each row's logits were finite, from the same copy as the tokens (all True when
+        sample_step was given no flags). Appends nothing to the requests: check it before resolve()."""
+        size = len(self.requests)
+        return [v != 0 for v in self._copy()[size : 2 * size]] if self.has_finite else [True] * size
+
+    def resolve(self) -> list[int]:
+        """The token ids as a list (one copy), with logprobs and kept logits appended to their requests."""
+        if self._resolved is not None:
+            return self._resolved
+        values = self._copy()
+        size = len(self.requests)
+        tokens = [int(t) for t in values[:size]]
+        rows, widest = self.logprob_rows, self.widest
+        base = 2 * size if self.has_finite else size
+        chosen = values[base : base + len(rows)]
+        top_values = values[base + len(rows) : base + len(rows) * (1 + widest)]
+        top_ids = values[base + len(rows) * (1 + widest) :]
+        for j, i in enumerate(rows):
+            k = self.requests[i].params.logprobs or 0
+            start = j * widest
+            top = [(int(top_ids[start + n]), top_values[start + n]) for n in range(k)]
+            self.requests[i].output.logprobs.append(TokenLogprob(tokens[i], chosen[j], top))
+        keep = [i for i, r in enumerate(self.requests) if r.sampling.keep_logits]
+        if keep:  # next_token_logits only: not a serving path
+            kept = self.logits[keep].cpu()
+            for j, i in enumerate(keep):
+                self.requests[i].sampling.last_logits = kept[j]
+        self._resolved = tokens
+        return tokens
+
+
+def sample_step(
+    logits: torch.Tensor, requests: Sequence[Request], finite: torch.Tensor | None = None
+) -> StepSample:
+    """Sample one token per row of logits [S, V]; row i belongs to requests[i]. Queues device work only.
+    `finite` [S] bool (the engine's check of the logits) rides in the same copy: StepSample.finite()."""
+    if logits.shape[0] != len(requests):
+        raise ValueError(f"{logits.shape[0]} rows of logits for {len(requests)} requests")
+    sampled = [i for i, r in enumerate(requests) if not r.params.greedy]
+    # Greedy rows take the argmax; a step with none skips that pass.
+    greedy = logits.argmax(dim=-1) if not sampled or len(sampled) < len(requests) else None  # [S]
+    tokens = _sample_rows(logits, requests, sampled, greedy) if sampled else greedy
+    assert tokens is not None
+    rows = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
+    widest = max((requests[i].params.logprobs or 0 for i in rows), default=0)
+    parts = [tokens.double()]
+    if finite is not None:
+        parts.append(finite.double())
+    if rows:
+        # The model's own distribution, before temperature and filtering (vLLM's): the figure means the
+        # same whatever the sampling parameters were.
+        index = torch.tensor(rows, device=logits.device)
+        logp = torch.log_softmax(logits.index_select(0, index).float(), dim=-1)  # [R, V]
+        parts.append(logp.gather(1, tokens.index_select(0, index)[:, None]).view(-1).double())
+        if widest:
+            top = logp.topk(widest, dim=-1)
+            parts += [top.values.reshape(-1).double(), top.indices.reshape(-1).double()]
+    packed = torch.cat(parts) if len(parts) > 1 else parts[0]
+    return StepSample(tokens, requests, logits, packed, rows, widest, finite is not None)
+
+
+def _sample_rows(
+    logits: torch.Tensor, requests: Sequence[Request], sampled: list[int], greedy: torch.Tensor | None
+) -> torch.Tensor:
+    """The step's tokens [S]: drawn for the `sampled` rows, greedy's [S] (None: no greedy row) for the
+    others."""
+    chosen = [requests[i] for i in sampled]
+    params = [r.params for r in chosen]
+    # One host-to-device copy for every per-row setting: [5, R] float32.
+    settings = torch.tensor(
+        [
+            [p.temperature for p in params],
+            [p.top_k for p in params],
+            [p.top_p for p in params],
+            [p.min_p for p in params],
+            [uniform(request_seed(r), len(r.output_token_ids)) for r in chosen],
+        ],
+        dtype=torch.float32,
+    ).to(logits.device, non_blocking=True)
+    rows = logits if greedy is None else logits.index_select(0, torch.tensor(sampled, device=logits.device))
+    rows = rows.float()
+    max_top_k = max(p.top_k for p in params)
+    any_top_p = any(p.top_p < 1.0 for p in params)
+    any_min_p = any(p.min_p > 0.0 for p in params)
+    if max_top_k or any_top_p or any_min_p:
+        filtered = filter_logits(
+            rows,
+            settings[0],
+            settings[1],
+            settings[2],
+            settings[3],
+            max_top_k=max_top_k,
+            any_top_p=any_top_p,
+            any_min_p=any_min_p,
+        )
+        drawn = draw(filtered, settings[4])
+    else:  # temperature only (the default): folded into the draw's exp, no filtered copy
+        unscaled = all(p.temperature == 1.0 for p in params)
+        drawn = draw(rows, settings[4], scale=None if unscaled else settings[0].reciprocal())
+    if greedy is None:
+        return drawn
+    return greedy.index_copy(0, torch.tensor(sampled, device=logits.device), drawn)
+
 
 def sample(logits: torch.Tensor, requests: Sequence[Request]) -> list[int]:
-    """One token per row of float32 logits [S, vocab]; row i belongs to requests[i]."""
-    greedy = logits.argmax(dim=-1).tolist()
-    tokens: list[int] = []
-    for row, request in enumerate(requests):
-        params = request.params
-        if params.greedy:
-            tokens.append(int(greedy[row]))
-            continue
-        probs = _filtered_probs(logits[row].float().cpu(), params.temperature, params.top_k, params.top_p)
-        tokens.append(int(torch.multinomial(probs, 1, generator=request.sampling.generator).item()))
-    return tokens
+    """The step's tokens as a list: `sample_step(...).resolve()`, for callers that need them at once."""
+    return sample_step(logits, requests).resolve()
 
 
-def _filtered_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
-    logits = logits / temperature
-    if 0 < top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        cumulative = sorted_logits.softmax(-1).cumsum(-1)
-        # Drop a token when the tokens before it already reach top_p; the first always stays.
-        drop = (cumulative - sorted_logits.softmax(-1)) >= top_p
-        logits = logits.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
-    return logits.softmax(-1)
+def filtered_probs(
+    logits: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float = 0.0
+) -> torch.Tensor:
+    """One row's sampling distribution [V] (for tests and tools; the engine never builds it)."""
+    one = torch.ones(1)
+    filtered = filter_logits(
+        logits.float()[None],
+        one * temperature,
+        one * top_k,
+        one * top_p,
+        one * min_p,
+        max_top_k=top_k,
+        any_top_p=top_p < 1.0,
+        any_min_p=min_p > 0.0,
+    )
+    return filtered.softmax(dim=-1)[0]
 
 
-def token_logprobs(logits: torch.Tensor, requests: Sequence[Request], tokens: Sequence[int]) -> None:
-    """Append each sampled token's log-probability (and the top alternatives) to the requests that asked.
-
-    Computed from the model's own distribution, before temperature and filtering, as vLLM does: the
-    figure means the same whatever the sampling parameters were."""
-    rows = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
-    if not rows:
-        return
-    logp = torch.log_softmax(logits[rows].float(), dim=-1)
-    widest = max(requests[i].params.logprobs or 0 for i in rows)
-    top_values, top_ids = logp.topk(widest, dim=-1) if widest else (logp[:, :0], logp[:, :0].long())
-    chosen = logp.gather(1, torch.tensor([[tokens[i]] for i in rows], device=logp.device))
-    chosen_list, top_v, top_i = chosen[:, 0].tolist(), top_values.tolist(), top_ids.tolist()
-    for j, i in enumerate(rows):
-        k = requests[i].params.logprobs or 0
-        top = list(zip(top_i[j][:k], top_v[j][:k], strict=True))
-        requests[i].output.logprobs.append(TokenLogprob(int(tokens[i]), float(chosen_list[j]), top))
+__all__ = ["StepSample", "draw", "filter_logits", "filtered_probs", "sample", "sample_step", "uniform"]

@@ -21,8 +21,10 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from .fairness import Tenant, VirtualTokenCounter
 from .lora.registry import AdapterLoad, AdapterRegistry
 from .pool import PageKind, PagePool
+from .prefix_cache import PrefixCache
 from .request import Request, RequestStatus
 from .stopping import StopChecker
 
@@ -72,6 +74,9 @@ class Scheduler:
         adapters: AdapterRegistry | None = None,
         max_adapter_loads_per_step: int = 4,
         stop: StopChecker | None = None,
+        fairness: VirtualTokenCounter | None = None,
+        max_bypass_steps: int = 32,
+        prefix_cache: PrefixCache | None = None,
     ):
         if page_size <= 0 or max_num_seqs <= 0 or max_batch_tokens <= 0:
             raise ValueError("page_size, max_num_seqs and max_batch_tokens must be positive")
@@ -80,12 +85,22 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_batch_tokens = max_batch_tokens
         self.adapters = adapters
+        # Admission starts a request past its longest cached prefix (engine/prefix_cache.py); None: off.
+        self.prefix_cache = prefix_cache
         # Loading an adapter costs pages and a copy: when many new adapters wait, only a few join per
         # step, so one step's loads cannot crowd out the KV cache of the running batch.
         self.max_adapter_loads_per_step = max_adapter_loads_per_step
         # No end-of-sequence token and no context limit unless the engine says so: max_tokens ends it.
         self.stop = stop or StopChecker(eos_token_ids=(), max_model_len=2**62)
         self.waiting: deque[Request] = deque()
+        # Which waiting request goes next: None is first come first served; a VirtualTokenCounter picks
+        # the tenant with the least service (engine/fairness.py).
+        self.fairness = fairness
+        # With fairness, a request whose adapter cannot get pages now is passed over so other tenants
+        # run; after this many steps of that, nothing joins behind it until the running batch drains
+        # enough pages for it, so it cannot starve.
+        self.max_bypass_steps = max_bypass_steps
+        self._bypassed: dict[str, int] = {}  # request id -> steps it was passed over
         self.running: list[Request] = []  # in admission order: the front has priority
 
     def pages_for(self, num_tokens: int) -> int:
@@ -97,6 +112,8 @@ class Scheduler:
             assert self.adapters is not None, "a request names an adapter but the engine serves none"
             self.adapters.add_user(request.adapter)
         request.status = RequestStatus.WAITING
+        if self.fairness is not None:
+            self.fairness.queued(request)
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
@@ -122,9 +139,15 @@ class Scheduler:
             self.preempt(victim)
             out.preempted.append(victim)
         loads = 0
+        passed: set[Tenant] = set()  # tenants whose next request cannot join this step
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
-            request = self.waiting[0]
-            count = min(request.num_tokens - request.num_computed_tokens, budget)
+            picked = self._next_waiting(passed)
+            if picked is None:
+                break
+            request = picked
+            # Its cached prefix is taken only once it joins; until then, size it as if it had.
+            start = max(request.num_computed_tokens, self._cached_tokens(request))
+            count = min(request.num_tokens - start, budget)
             if request.adapter is not None and not request.holds_adapter:
                 assert self.adapters is not None, "a request names an adapter but the engine serves none"
                 if request.adapter in self.adapters.failed:
@@ -134,19 +157,32 @@ class Scheduler:
                 adapter_pages = self.adapters.pages_needed(request.adapter)
                 loading = adapter_pages > 0
                 if loading and loads >= self.max_adapter_loads_per_step:
+                    if self._pass_over(request, passed, starving=False):
+                        continue
                     break
-                kv_pages = self.pages_for(request.num_computed_tokens + count) - len(request.pages)
-                can_free = self.pool.num_free + self.adapters.evictable_pages()
-                if loading and can_free < adapter_pages + kv_pages:
-                    break  # not with its adapter, not now: it waits for pages to be freed
-                if not self.adapters.acquire(request.adapter):
+                kv_pages = self.pages_for(start + count) - max(len(request.pages), start // self.page_size)
+                can_free = self.pool.num_free + self.pool.reclaimable_pages()
+                if (loading and can_free < adapter_pages + kv_pages) or not self.adapters.acquire(
+                    request.adapter
+                ):
+                    # Not with its adapter, not now: it waits for pages to be freed, while other
+                    # tenants go ahead of it for a while (fairness) or nobody does (FCFS).
+                    if self._pass_over(request, passed, starving=True):
+                        continue
                     break
                 loads += loading
                 request.holds_adapter = True
+            if self.prefix_cache is not None and not request.pages:
+                self.prefix_cache.take(request)  # after the adapter's pages: they may evict cached ones
+                count = min(request.num_tokens - request.num_computed_tokens, budget)
             if not self._reserve(request, request.num_computed_tokens + count):
-                self._release_adapter(request)
+                self._release(request)
+                request.num_computed_tokens = 0
                 break
-            self.waiting.popleft()
+            self.waiting.remove(request)
+            self._bypassed.pop(request.request_id, None)
+            if self.fairness is not None:
+                self.fairness.admitted(request)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.chunks.append(self._chunk(request, count))
@@ -154,6 +190,27 @@ class Scheduler:
         if self.adapters is not None:
             out.adapter_loads = self.adapters.pending_loads()
         return out
+
+    def _next_waiting(self, passed: set[Tenant]) -> Request | None:
+        """The waiting request to try next: the queue's front (FCFS), or the fairness pick."""
+        if self.fairness is None:
+            return self.waiting[0]
+        return self.fairness.pick(self.waiting, passed)
+
+    def _pass_over(self, request: Request, passed: set[Tenant], starving: bool) -> bool:
+        """Whether admission may go on past `request`, which cannot join now. FCFS never passes; with
+        fairness its tenant waits out this step, unless it was passed over for lack of pages on
+        `max_bypass_steps` steps already: then admission stops behind it until it fits."""
+        if self.fairness is None:
+            return False
+        if starving:
+            steps = self._bypassed.get(request.request_id, 0)
+            if steps >= self.max_bypass_steps:
+                return False
+            if request.tenant not in passed:  # once per step
+                self._bypassed[request.request_id] = steps + 1
+        passed.add(request.tenant)
+        return True
 
     def postprocess(self, plan: StepPlan, sampled: Sequence[int]) -> list[Request]:
         """After the step ran `plan.chunks`: their tokens are in the cache; `sampled` holds the next
@@ -164,7 +221,11 @@ class Scheduler:
             raise ValueError(f"the step sampled {len(sampled)} tokens for {len(requests)} requests")
         for chunk in plan.chunks:
             chunk.request.num_computed_tokens = chunk.end
+            if self.prefix_cache is not None:
+                self.prefix_cache.commit(chunk.request)  # its pages filled by this step can be shared now
         for request, token in zip(requests, sampled, strict=True):
+            if self.fairness is not None:
+                self.fairness.generated(request)
             reason = self.stop.append(request, token)
             if reason is not None:
                 self.finish(request, reason)
@@ -175,8 +236,9 @@ class Scheduler:
         needed = self.pages_for(num_tokens) - len(request.pages)
         if needed <= 0:
             return True
-        if not self.pool.can_allocate(needed) and self.adapters is not None:
-            self.adapters.evict_unused(needed)  # unused adapters give way to the KV cache first
+        if not self.pool.can_allocate(needed):
+            # Unused adapters and unread cached prefixes give way to the KV cache, LRU first.
+            self.pool.reclaim(needed)
         if not self.pool.can_allocate(needed):
             return False
         request.pages.extend(self.pool.allocate(needed, request.request_id, PageKind.KV))
@@ -189,23 +251,41 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         request.status = RequestStatus.WAITING
+        if self.fairness is not None:
+            self.fairness.preempted(request)
         self.waiting.appendleft(request)
 
     def finish(self, request: Request, reason: str) -> None:
         if request.finished:
             return
-        if request in self.running:
+        was_running = request in self.running
+        was_waiting = not was_running and request in self.waiting
+        if was_running:
             self.running.remove(request)
-        elif request in self.waiting:
+        elif was_waiting:
             self.waiting.remove(request)
+        if self.fairness is not None and (was_running or was_waiting):  # never queued: nothing counted
+            self.fairness.finished(request, was_running)
+        self._bypassed.pop(request.request_id, None)
         self._release(request)
+        if self.prefix_cache is not None:
+            self.prefix_cache.forget_request(request)
         if request.adapter is not None and self.adapters is not None:
             self.adapters.remove_user(request.adapter)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
 
+    def _cached_tokens(self, request: Request) -> int:
+        """Tokens the prefix cache would give a waiting request that holds no pages."""
+        if self.prefix_cache is None or request.pages:
+            return 0
+        return self.prefix_cache.peek(request)
+
     def _release(self, request: Request) -> None:
-        self.pool.free(request.pages, request.request_id)
+        if self.prefix_cache is not None:
+            self.prefix_cache.release(request)  # cached pages stay, for the next request (or its retry)
+        else:
+            self.pool.free(request.pages, request.request_id)
         request.pages = []
         self._release_adapter(request)
 

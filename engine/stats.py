@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .prefix_cache import PrefixStats
+
 
 @dataclass(frozen=True)
 class AdapterFacts:
@@ -48,3 +50,4 @@ class EngineStats:
     host_cache_hits: int  # packed and ready when a load wanted it
     host_cache_waits: int  # its prefetch was still running: the load waited for the rest
     host_cache_misses: int  # never prefetched: read on the spot
+    prefix: PrefixStats | None = None  # the prefix cache's counters; None: prefix caching is off

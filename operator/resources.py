@@ -77,6 +77,8 @@ def engine_args(idep: InferenceDeployment) -> list[str]:
     """The engine command line: the contract with `loraplex serve`; tuning knobs travel in the ConfigMap."""
     model = idep.spec.model
     args = ["serve", "--model", model.uri, "--dtype", model.dtype, "--port", str(ENGINE_PORT)]
+    if model.quantization != "none":  # absent when unset, so existing deployments keep their pod template
+        args += ["--quantization", model.quantization]
     return [*args, *idep.spec.engine.extra_args]
 
 

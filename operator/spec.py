@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from loraplex.engine.model.quant_formats import QUANTIZATIONS  # torch-free: the engine's own choices
 from loraplex.operator.overlay import OverlayError, PodTemplateOverlay, parse_pod_template
 
 GROUP = "loraplex.dev"
@@ -77,6 +78,7 @@ class SpecError(ValueError):
 class ModelSpec:
     uri: str
     dtype: str = "bfloat16"
+    quantization: str = "none"  # weight-only int8/int4 base weights: `loraplex serve --quantization`
 
 
 @dataclass(frozen=True)
@@ -220,6 +222,7 @@ def _parse_model(raw: Mapping[str, Any]) -> ModelSpec:
     return ModelSpec(
         uri=check_model_uri(_string(raw, "uri", "spec.model")),
         dtype=_choice(raw, "dtype", DTYPES, defaults.dtype, "spec.model"),
+        quantization=_choice(raw, "quantization", QUANTIZATIONS, defaults.quantization, "spec.model"),
     )
 
 

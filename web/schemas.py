@@ -26,6 +26,16 @@ Label = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=P
 Count = Annotated[int, Field(ge=0, le=2**31 - 1)]
 Bytes = Annotated[int, Field(ge=0, le=2**62)]
 Positive = Annotated[int, Field(ge=1, le=2**20)]
+# A tenant's share of a busy engine relative to others: 2 gets twice the tokens of 1 when both wait.
+ShareWeight = Annotated[
+    float,
+    Field(
+        gt=0,
+        le=1000,
+        allow_inf_nan=False,
+        description="The tenant's share of a busy engine relative to other tenants (default 1).",
+    ),
+]
 
 
 class Public(BaseModel):
@@ -50,17 +60,20 @@ class QuotaPublic(Public, QuotaUpdate):
 
 class TenantCreate(BaseModel):
     name: Name
+    fair_share_weight: ShareWeight = 1.0
 
 
 class TenantUpdate(BaseModel):
     name: Name | None = None
     disabled: bool | None = None
+    fair_share_weight: ShareWeight | None = None
 
 
 class TenantPublic(Public):
     id: uuid.UUID
     name: str
     disabled: bool
+    fair_share_weight: float
     created_at: dt.datetime
     quota: QuotaPublic
 
@@ -196,6 +209,7 @@ class UsageRow(BaseModel):
     requests: int
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = Field(default=0, description="Prompt tokens the engine took from its prefix cache.")
 
 
 class UsageSummary(BaseModel):
@@ -204,6 +218,7 @@ class UsageSummary(BaseModel):
     requests: int
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0
 
 
 class Health(BaseModel):

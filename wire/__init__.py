@@ -28,11 +28,20 @@ from urllib.parse import quote
 
 INTERNAL_TOKEN_HEADER = "X-Loraplex-Internal-Token"
 TENANT_HEADER = "X-Loraplex-Tenant"
+# The tenant's share of a busy engine against other tenants (a positive number, default 1): the engine's
+# fair scheduler serves a weight-2 tenant twice the tokens of a weight-1 one while both wait.
+TENANT_WEIGHT_HEADER = "X-Loraplex-Tenant-Weight"
 ADAPTER_ID_HEADER = "X-Loraplex-Adapter-Id"
 ADAPTER_URI_HEADER = "X-Loraplex-Adapter-Uri"
 ADAPTER_SHA256_HEADER = "X-Loraplex-Adapter-Sha256"
 # What only the gateway may say: an engine refuses these without the right internal token.
-GATEWAY_HEADERS = (TENANT_HEADER, ADAPTER_ID_HEADER, ADAPTER_URI_HEADER, ADAPTER_SHA256_HEADER)
+GATEWAY_HEADERS = (
+    TENANT_HEADER,
+    TENANT_WEIGHT_HEADER,
+    ADAPTER_ID_HEADER,
+    ADAPTER_URI_HEADER,
+    ADAPTER_SHA256_HEADER,
+)
 
 # -- error types (OpenAI's `type`) and codes (its `code`) --------------------------------------------------
 
@@ -159,9 +168,16 @@ class BadHeaders(ValueError):
         self.code = code
 
 
-def request_headers(internal_token: str, tenant: str, adapter: AdapterRef | None = None) -> dict[str, str]:
-    """The headers the gateway sends with a request: trust, tenant, and the adapter when there is one."""
-    headers = {INTERNAL_TOKEN_HEADER: internal_token, TENANT_HEADER: tenant}
+def request_headers(
+    internal_token: str, tenant: str, adapter: AdapterRef | None = None, tenant_weight: float = 1.0
+) -> dict[str, str]:
+    """The headers the gateway sends with a request: trust, tenant and its weight, and the adapter when
+    there is one."""
+    headers = {
+        INTERNAL_TOKEN_HEADER: internal_token,
+        TENANT_HEADER: tenant,
+        TENANT_WEIGHT_HEADER: repr(float(tenant_weight)),
+    }
     if adapter is not None:
         headers[ADAPTER_ID_HEADER] = adapter.adapter_id
         headers[ADAPTER_URI_HEADER] = adapter.uri

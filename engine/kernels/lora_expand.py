@@ -17,14 +17,21 @@ Semantics, shapes and the plain-torch oracle: `reference.lora_expand_tokens` / `
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
 
 from .dot import dot_precision, interpreting
 
+# m_blocks and stride_sm (the step's widest rank) change from step to step: specializing on their values
+# (== 1, divisible by 16) would compile a variant per value met. The step's metadata are views at any
+# offset of one upload (engine/batch.py), so their alignment varies as well.
+_STEP_METADATA = ["token_slot_ptr", "seg_starts_ptr", "seg_slot_ptr"]
 
-@triton.jit
+
+@triton.jit(do_not_specialize=["stride_sm", "m_blocks"], do_not_specialize_on_alignment=_STEP_METADATA)
 def _expand_segments_kernel(
     y_ptr,
     shrunk_ptr,
@@ -42,6 +49,7 @@ def _expand_segments_kernel(
     stride_sm,
     m_blocks,  # token blocks per segment in the grid (the longest segment's)
     HEAD_DIM: tl.constexpr,
+    COL_ALIGN: tl.constexpr,  # b_cols and b_widths are multiples of it (see _col_align)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -78,8 +86,9 @@ def _expand_segments_kernel(
             other=0.0,
         )  # [BLOCK_M, BLOCK_R]
         b_row = tl.load(b_starts_ptr + first_row + rows, mask=row_ok, other=0)
-        b_col = tl.load(b_cols_ptr + first_row + rows, mask=row_ok, other=0)
-        b_width = tl.load(b_widths_ptr + first_row + rows, mask=row_ok, other=0)
+        # Known alignment lets a B row's tile load as 128-bit vectors instead of 16-bit scalars.
+        b_col = tl.multiple_of(tl.load(b_cols_ptr + first_row + rows, mask=row_ok, other=0), COL_ALIGN)
+        b_width = tl.multiple_of(tl.load(b_widths_ptr + first_row + rows, mask=row_ok, other=0), COL_ALIGN)
         offset = cols[None, :] - b_col[:, None]  # [BLOCK_R, BLOCK_N]: column inside the row's module
         inside = (offset >= 0) & (offset < b_width[:, None]) & col_ok[None, :]
         b = tl.load(pool_ptr + b_row.to(tl.int64)[:, None] * HEAD_DIM + offset, mask=inside, other=0.0)
@@ -95,7 +104,7 @@ def _expand_segments_kernel(
     tl.store(y, (old.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_sm"], do_not_specialize_on_alignment=_STEP_METADATA)
 def _expand_tokens_kernel(
     y_ptr,
     shrunk_ptr,
@@ -111,6 +120,7 @@ def _expand_tokens_kernel(
     stride_yn,
     stride_sm,
     HEAD_DIM: tl.constexpr,
+    COL_ALIGN: tl.constexpr,  # b_cols and b_widths are multiples of it (see _col_align)
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
 ):
@@ -134,8 +144,9 @@ def _expand_tokens_kernel(
         row_ok = rows < rank
         s = tl.load(shrunk_ptr + token64 * stride_sm + rows, mask=row_ok, other=0.0)
         b_row = tl.load(b_starts_ptr + first_row + rows, mask=row_ok, other=0)
-        b_col = tl.load(b_cols_ptr + first_row + rows, mask=row_ok, other=0)
-        b_width = tl.load(b_widths_ptr + first_row + rows, mask=row_ok, other=0)
+        # Known alignment lets a B row's tile load as 128-bit vectors instead of 16-bit scalars.
+        b_col = tl.multiple_of(tl.load(b_cols_ptr + first_row + rows, mask=row_ok, other=0), COL_ALIGN)
+        b_width = tl.multiple_of(tl.load(b_widths_ptr + first_row + rows, mask=row_ok, other=0), COL_ALIGN)
         offset = cols[None, :] - b_col[:, None]
         inside = (offset >= 0) & (offset < b_width[:, None]) & col_ok[None, :]
         b = tl.load(pool_ptr + b_row.to(tl.int64)[:, None] * HEAD_DIM + offset, mask=inside, other=0.0)
@@ -145,6 +156,12 @@ def _expand_tokens_kernel(
     y = y_ptr + token64 * stride_ym + cols * stride_yn
     old = tl.load(y, mask=col_ok, other=0.0)
     tl.store(y, (old.to(tl.float32) + delta).to(y_ptr.dtype.element_ty), mask=col_ok)
+
+
+def _col_align(head_dim: int) -> int:
+    """What every b_col and b_width is a multiple of: a module's B^T row spans whole pool rows of
+    head_dim elements (engine/lora/tables.py), and 16 elements make the widest load worth knowing."""
+    return math.gcd(head_dim, 16)
 
 
 def _check(y: torch.Tensor, shrunk: torch.Tensor, pool_rows: torch.Tensor) -> None:
@@ -166,13 +183,17 @@ def lora_expand_segments(
     seg_starts: torch.Tensor,
     seg_slot: torch.Tensor,
     max_seg_len: int | None = None,
+    *,
+    col_align: int | None = None,
 ) -> None:
     """Expand, in place, for tokens grouped in contiguous segments of one adapter each.
 
     Shapes: y [T, out]; shrunk [T, R] (float32 from lora_shrink_*); pool_rows [N, head_dim] contiguous;
-    b_starts, b_cols, b_widths [C] int; slot_start, slot_rank [S] int; seg_starts [G + 1] int; seg_slot
+    b_starts, b_cols, b_widths [C] int (cols and widths multiples of head_dim); slot_start, slot_rank [S]
+    int; seg_starts [G + 1] int; seg_slot
     [G] int (-1: no adapter). max_seg_len, the longest segment, sizes the grid (pass it to spare a
-    device sync).
+    device sync). col_align: what every b_col and b_width is a multiple of, if not the engine's
+    gcd(head_dim, 16) (a wrong value gives wrong results on a GPU).
     """
     _check(y, shrunk, pool_rows)
     num_tokens, out_width = y.shape
@@ -182,7 +203,8 @@ def lora_expand_segments(
     if shrunk.shape[1] == 0 or num_segments == 0 or max_seg_len == 0 or num_tokens == 0:
         return
     block_m = 16 if max_seg_len <= 16 else 32 if max_seg_len <= 32 else 64
-    block_r = 16 if shrunk.shape[1] <= 16 else 32
+    # float32's exact dots spill a [64, 32] x [32, 64] step on sm_80 (ptxas -v, engine/aot.py).
+    block_r = 16 if shrunk.shape[1] <= 16 or y.dtype == torch.float32 else 32
     block_n = 128 if y.element_size() <= 2 else 64
     m_blocks = triton.cdiv(max_seg_len, block_m)
     _expand_segments_kernel[(num_segments * m_blocks, triton.cdiv(out_width, block_n))](
@@ -202,6 +224,7 @@ def lora_expand_segments(
         shrunk.stride(0),
         m_blocks,
         HEAD_DIM=pool_rows.shape[1],
+        COL_ALIGN=col_align or _col_align(pool_rows.shape[1]),
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_R=block_r,
@@ -220,11 +243,14 @@ def lora_expand_tokens(
     slot_start: torch.Tensor,
     slot_rank: torch.Tensor,
     token_slot: torch.Tensor,
+    *,
+    col_align: int | None = None,
 ) -> None:
     """Expand, in place, with every token's adapter slot given per token.
 
     Shapes: y [T, out]; shrunk [T, R] (float32 from lora_shrink_*); pool_rows [N, head_dim] contiguous;
-    b_starts, b_cols, b_widths [C] int; slot_start, slot_rank [S] int; token_slot [T] int (-1: none).
+    b_starts, b_cols, b_widths [C] int (cols and widths multiples of head_dim); slot_start, slot_rank [S]
+    int; token_slot [T] int (-1: none). col_align: as in lora_expand_segments.
     """
     _check(y, shrunk, pool_rows)
     num_tokens, out_width = y.shape
@@ -248,6 +274,7 @@ def lora_expand_tokens(
         y.stride(1),
         shrunk.stride(0),
         HEAD_DIM=pool_rows.shape[1],
+        COL_ALIGN=col_align or _col_align(pool_rows.shape[1]),
         BLOCK_N=block_n,
         BLOCK_R=block_r,
     )

@@ -21,9 +21,19 @@ import triton
 import triton.language as tl
 
 from .dot import dot_precision, interpreting
+from .gpu import gpu_target
+
+# SPLIT_K, m_blocks and the rank (stride_om, out_rank) vary from step to step: specializing on their
+# values (== 1, divisible by 16) would compile a variant per value met, each stalling the step that first
+# meets it. The step's metadata are views at any offset of one upload (engine/batch.py): their pointers'
+# alignment varies too, and scalar loads gain nothing from it.
+_STEP_METADATA = ["token_slot_ptr", "seg_starts_ptr", "seg_slot_ptr"]
 
 
-@triton.jit
+@triton.jit(
+    do_not_specialize=["stride_om", "out_rank", "m_blocks", "SPLIT_K"],
+    do_not_specialize_on_alignment=_STEP_METADATA,
+)
 def _shrink_segments_kernel(
     x_ptr,
     pool_ptr,
@@ -37,12 +47,13 @@ def _shrink_segments_kernel(
     stride_xm,
     stride_xk,
     stride_om,
+    out_rank,  # columns of out
     m_blocks,  # token blocks per segment in the grid (the longest segment's)
+    SPLIT_K,  # programs per dot product; 1: out is uninitialised and every program writes its tile
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
@@ -50,22 +61,24 @@ def _shrink_segments_kernel(
     m_block = tl.program_id(0) % m_blocks
     r_block = tl.program_id(1)
     split = tl.program_id(2)
-    slot = tl.load(seg_slot_ptr + segment)
-    if slot < 0:
-        return
     seg_end = tl.load(seg_starts_ptr + segment + 1)
     first = tl.load(seg_starts_ptr + segment) + m_block * BLOCK_M
     if first >= seg_end:
         return
-    rank = tl.load(slot_rank_ptr + slot)
-    if r_block * BLOCK_R >= rank:
-        return
+    tokens = first + tl.arange(0, BLOCK_M)
+    token_ok = tokens < seg_end
     rows = r_block * BLOCK_R + tl.arange(0, BLOCK_R)
+    out = out_ptr + tokens.to(tl.int64)[:, None] * stride_om + rows[None, :]
+    mask = token_ok[:, None] & (rows < out_rank)[None, :]
+    slot = tl.load(seg_slot_ptr + segment)
+    rank = tl.where(slot < 0, 0, tl.load(slot_rank_ptr + tl.maximum(slot, 0)))
+    if r_block * BLOCK_R >= rank:  # no adapter, or none of its rows here: zeros (the wrapper did not fill)
+        if SPLIT_K == 1:
+            tl.store(out, tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32), mask=mask)
+        return
     row_ok = rows < rank
     a_row = tl.load(a_starts_ptr + tl.load(slot_start_ptr + slot) + rows, mask=row_ok, other=0)
     a_base = a_row.to(tl.int64) * HEAD_DIM  # [BLOCK_R] flat offset of each A row
-    tokens = first + tl.arange(0, BLOCK_M)
-    token_ok = tokens < seg_end
     x_base = tokens.to(tl.int64) * stride_xm
 
     # Splits cover whole BLOCK_K steps, so every split's blocks line up with the unsplit loop's.
@@ -88,15 +101,16 @@ def _shrink_segments_kernel(
         else:
             acc += tl.dot(x, a.to(x.dtype), input_precision=PRECISION)
 
-    out = out_ptr + tokens.to(tl.int64)[:, None] * stride_om + rows[None, :]
-    mask = token_ok[:, None] & row_ok[None, :]
+    # Rows past the adapter's rank hold zeros (their A rows were masked to 0).
     if SPLIT_K == 1:
         tl.store(out, acc, mask=mask)
     else:
         tl.atomic_add(out, acc, mask=mask)
 
 
-@triton.jit
+@triton.jit(
+    do_not_specialize=["stride_om", "out_rank", "SPLIT_K"], do_not_specialize_on_alignment=_STEP_METADATA
+)
 def _shrink_tokens_kernel(
     x_ptr,
     pool_ptr,
@@ -109,21 +123,24 @@ def _shrink_tokens_kernel(
     stride_xm,
     stride_xk,
     stride_om,
+    out_rank,  # columns of out
+    SPLIT_K,  # programs per dot product; 1: out is uninitialised and every program writes its tile
     HEAD_DIM: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr,
 ):
     token = tl.program_id(0)
     r_block = tl.program_id(1)
     split = tl.program_id(2)
-    slot = tl.load(token_slot_ptr + token)
-    if slot < 0:
-        return
-    rank = tl.load(slot_rank_ptr + slot)
-    if r_block * BLOCK_R >= rank:
-        return
     rows = r_block * BLOCK_R + tl.arange(0, BLOCK_R)
+    out = out_ptr + token.to(tl.int64) * stride_om + rows
+    out_ok = rows < out_rank
+    slot = tl.load(token_slot_ptr + token)
+    rank = tl.where(slot < 0, 0, tl.load(slot_rank_ptr + tl.maximum(slot, 0)))
+    if r_block * BLOCK_R >= rank:  # no adapter, or none of its rows here: zeros (the wrapper did not fill)
+        if SPLIT_K == 1:
+            tl.store(out, tl.zeros((BLOCK_R,), dtype=tl.float32), mask=out_ok)
+        return
     row_ok = rows < rank
     a_row = tl.load(a_starts_ptr + tl.load(slot_start_ptr + slot) + rows, mask=row_ok, other=0)
     a_base = a_row.to(tl.int64) * HEAD_DIM
@@ -142,11 +159,10 @@ def _shrink_tokens_kernel(
         acc += a.to(tl.float32) * x.to(tl.float32)[None, :]
     total = tl.sum(acc, axis=1)
 
-    out = out_ptr + token.to(tl.int64) * stride_om + rows
     if SPLIT_K == 1:
-        tl.store(out, total, mask=row_ok)
+        tl.store(out, total, mask=out_ok)
     else:
-        tl.atomic_add(out, total, mask=row_ok)
+        tl.atomic_add(out, total, mask=out_ok)
 
 
 def _max_rank(slot_rank: torch.Tensor, max_rank: int | None) -> int:
@@ -158,10 +174,18 @@ def _max_rank(slot_rank: torch.Tensor, max_rank: int | None) -> int:
 def _split_k(programs: int, k_steps: int, device: torch.device) -> int:
     """How many programs share one dot product: enough for about two waves of the GPU's SMs, while
     each still walks at least 4 BLOCK_K steps. 1 off the GPU (the interpreter gains nothing)."""
-    if device.type != "cuda" or programs == 0:
+    target = gpu_target(device)
+    if target is None or programs == 0:
         return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(2 * sms // programs, k_steps // 4, 16))
+    return max(1, min(2 * target.sms // programs, k_steps // 4, 16))
+
+
+def _output(num_tokens: int, rank: int, split: int, device: torch.device) -> torch.Tensor:
+    """float32 [T, R] for the kernel's result: split programs add into zeros; one program per tile
+    writes all of it (zeros where a token has no adapter), so no fill runs before it."""
+    if split == 1:
+        return torch.empty(num_tokens, rank, dtype=torch.float32, device=device)
+    return torch.zeros(num_tokens, rank, dtype=torch.float32, device=device)
 
 
 def _check(x: torch.Tensor, pool_rows: torch.Tensor) -> None:
@@ -184,7 +208,8 @@ def lora_shrink_segments(
     *,
     split_k: int | None = None,
 ) -> torch.Tensor:
-    """Shrink for tokens grouped in contiguous segments of one adapter each. Returns float32 [T, R].
+    """Shrink for tokens grouped in contiguous segments of one adapter each. Returns float32 [T, R]
+    (rows of tokens outside every segment are unspecified: the engine's segments cover all rows).
 
     Shapes: x [T, in]; pool_rows [N, head_dim] contiguous; a_starts [C] int; slot_start, slot_rank [S]
     int; seg_starts [G + 1] int; seg_slot [G] int (-1: no adapter). max_rank = max(slot_rank) and
@@ -194,20 +219,25 @@ def lora_shrink_segments(
     _check(x, pool_rows)
     rank = _max_rank(slot_rank, max_rank)
     num_tokens, in_width = x.shape
-    out = torch.zeros(num_tokens, rank, dtype=torch.float32, device=x.device)
     num_segments = len(seg_slot)
     if max_seg_len is None:
         max_seg_len = int((seg_starts[1:] - seg_starts[:-1]).max()) if num_segments else 0
     if rank == 0 or num_segments == 0 or max_seg_len == 0 or num_tokens == 0:
-        return out
+        return torch.zeros(num_tokens, rank, dtype=torch.float32, device=x.device)
     # Long segments reuse each A tile over more tokens; short ones waste fewer masked rows.
     block_m = 16 if max_seg_len <= 16 else 32 if max_seg_len <= 32 else 64
     block_r = min(max(triton.next_power_of_2(rank), 16), 64)
-    block_k = 128 if block_m * block_r <= 2048 else 64
+    # Tiles that compile without register spills on sm_80 and sm_90 (ptxas -v, engine/aot.py):
+    # a 64-rank tile at 128 K columns spills on sm_80, and float32's exact dots want short K steps.
+    if x.dtype == torch.float32:
+        block_k = 16 if block_m * block_r >= 4096 else 32
+    else:
+        block_k = 128 if block_m * block_r <= 2048 and block_r < 64 else 64
     m_blocks = triton.cdiv(max_seg_len, block_m)
     r_blocks = triton.cdiv(rank, block_r)
     programs = num_segments * m_blocks * r_blocks
     split = split_k or _split_k(programs, triton.cdiv(in_width, block_k), x.device)
+    out = _output(num_tokens, rank, split, x.device)
     _shrink_segments_kernel[(num_segments * m_blocks, r_blocks, split)](
         x,
         pool_rows,
@@ -221,12 +251,13 @@ def lora_shrink_segments(
         x.stride(0),
         x.stride(1),
         out.stride(0),
+        rank,
         m_blocks,
+        split,
         HEAD_DIM=pool_rows.shape[1],
         BLOCK_M=block_m,
         BLOCK_R=block_r,
         BLOCK_K=block_k,
-        SPLIT_K=split,
         PRECISION=dot_precision(x.dtype),
         UPCAST=interpreting(),
     )
@@ -252,14 +283,14 @@ def lora_shrink_tokens(
     _check(x, pool_rows)
     rank = _max_rank(slot_rank, max_rank)
     num_tokens, in_width = x.shape
-    out = torch.zeros(num_tokens, rank, dtype=torch.float32, device=x.device)
     if rank == 0 or num_tokens == 0:
-        return out
+        return torch.zeros(num_tokens, rank, dtype=torch.float32, device=x.device)
     # A [BLOCK_R, BLOCK_K] tile of about 4096 elements whatever the rank: small ranks read longer runs.
     block_r = min(max(triton.next_power_of_2(rank), 4), 64)
     block_k = min(max(4096 // block_r, 64), 512)
     r_blocks = triton.cdiv(rank, block_r)
     split = split_k or _split_k(num_tokens * r_blocks, triton.cdiv(in_width, block_k), x.device)
+    out = _output(num_tokens, rank, split, x.device)
     _shrink_tokens_kernel[(num_tokens, r_blocks, split)](
         x,
         pool_rows,
@@ -272,9 +303,10 @@ def lora_shrink_tokens(
         x.stride(0),
         x.stride(1),
         out.stride(0),
+        rank,
+        split,
         HEAD_DIM=pool_rows.shape[1],
         BLOCK_R=block_r,
         BLOCK_K=block_k,
-        SPLIT_K=split,
     )
     return out

@@ -19,18 +19,29 @@ import triton
 import triton.language as tl
 
 from .dot import dot_options
+from .gpu import gpu_target
 
 # Keys per loop step: large enough to keep the tensor cores and the memory pipeline busy, small enough
 # that a short context wastes little of its last tile.
 BLOCK_N = 64
-# Split-K only pays once each partition still streams a good stretch of cache.
+# Split-K only pays once each partition still streams a good stretch of cache...
 MIN_PARTITION_TOKENS = 256
+# ...unless the grid would leave most SMs idle (batch 1: 8 programs on 132 SMs for Llama-3-8B), where
+# even two tiles per partition beat one program walking the whole context.
+MIN_PARTITION_TOKENS_STARVED = 2 * BLOCK_N
 # Decode is bound by memory bandwidth; an SM needs a few resident programs' loads in flight to reach it.
 PROGRAMS_PER_SM = 4
 LOG2_E = 1.4426950408889634
 
 
-@triton.jit
+# The layer, the partition size and count (stride_pb, stride_ph of the partial results) and the block
+# tables' width change between launches; specializing on their values (== 1, divisible by 16) would
+# compile the kernel again for layer 1, 16, 32... each on first use. The tables and lengths are views at
+# any offset of the step's one metadata upload (engine/batch.py).
+@triton.jit(
+    do_not_specialize=["layer", "partition_tokens", "stride_bt", "stride_pb", "stride_ph"],
+    do_not_specialize_on_alignment=["block_tables_ptr", "context_lens_ptr"],
+)
 def _decode_kernel(
     q_ptr,
     memory_ptr,
@@ -122,7 +133,10 @@ def _decode_kernel(
         tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_mask)
 
 
-@triton.jit
+@triton.jit(
+    do_not_specialize=["partition_tokens", "stride_pb", "stride_ph"],
+    do_not_specialize_on_alignment=["context_lens_ptr"],
+)
 def _merge_partitions_kernel(
     part_out_ptr,
     part_lse_ptr,
@@ -162,19 +176,31 @@ def _merge_partitions_kernel(
     tl.store(out_ptr + seq * stride_ob + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
+def _block_n(dtype: torch.dtype, device: torch.device) -> int:
+    """Keys per step: float32's exact ("ieee") dots spill at 64 on sm_80 (ptxas -v through
+    engine/aot.py), where 32 fit; on sm_90 32 spills more than 64 does."""
+    target = gpu_target(device)
+    if dtype == torch.float32 and target is not None and target.arch < 90:
+        return BLOCK_N // 2
+    return BLOCK_N
+
+
 def choose_partition_tokens(batch: int, kv_heads: int, max_tokens: int, device: torch.device) -> int:
     """Tokens per split-K partition, or `max_tokens` (no split) when the unsplit grid already fills the GPU.
 
     `max_tokens` is an upper bound on every context (the block table's width times the page size), so
     choosing needs no device sync.
     """
-    if device.type != "cuda":
+    gpu = gpu_target(device)
+    if gpu is None:
         return max_tokens
     programs = batch * kv_heads
-    target = PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
+    target = PROGRAMS_PER_SM * gpu.sms
     if programs >= target:
         return max_tokens
-    splits = min(triton.cdiv(target, programs), max_tokens // MIN_PARTITION_TOKENS)
+    starved = programs < gpu.sms  # fewer programs than SMs: most of the GPU would wait
+    min_tokens = MIN_PARTITION_TOKENS_STARVED if starved else MIN_PARTITION_TOKENS
+    splits = min(triton.cdiv(target, programs), max_tokens // min_tokens)
     if splits <= 1:
         return max_tokens
     return triton.cdiv(triton.cdiv(max_tokens, splits), BLOCK_N) * BLOCK_N
@@ -244,7 +270,7 @@ def paged_decode_attention(
         HEAD_DIM=dim,
         BLOCK_D=block_d,
         PAGE_SIZE=page_size,
-        BLOCK_N=BLOCK_N,
+        BLOCK_N=_block_n(memory.dtype, q.device),
         SPLIT=split,
         **dot_options(memory.dtype),
         num_warps=4,

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from .dot import dot_options
+from .gpu import gpu_target
 from .paged_decode_attention import LOG2_E
 
 # 64 x 64 tiles: the usual flash-attention forward tile for head_dim 64-128 on an H100 with 4 warps.
@@ -23,7 +24,25 @@ BLOCK_M = 64
 BLOCK_N = 64
 
 
-@triton.jit
+def tile(dtype: torch.dtype, head_dim: int, device: torch.device) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) that compile without register spills (ptxas -v through
+    engine/aot.py): at head_dim 128 on sm_80, 4 warps hold the 64 x 64 tile in 255 registers
+    and spill, and 8 warps take 172; float32's exact ("ieee") dots need 16 x 32 tiles in one stage."""
+    if dtype == torch.float32:
+        return 16, 32, 4, 1
+    target = gpu_target(device)
+    if target is not None and target.arch < 90 and head_dim > 64:
+        return BLOCK_M, BLOCK_N, 8, 2
+    return BLOCK_M, BLOCK_N, 4, 2
+
+
+# The layer and the block tables' width change between launches: specializing on their values would
+# compile a variant per class of value (== 1, divisible by 16), each on first use. The metadata are
+# views at any offset of the step's one upload (engine/batch.py), so their alignment varies too.
+@triton.jit(
+    do_not_specialize=["layer", "stride_bt"],
+    do_not_specialize_on_alignment=["block_tables_ptr", "q_starts_ptr", "context_lens_ptr"],
+)
 def _prefill_kernel(
     q_ptr,
     memory_ptr,
@@ -139,7 +158,8 @@ def prefill_attention_varlen(
     if total == 0 or num_seqs == 0:
         return out
     longest = total if max_chunk_len is None else max_chunk_len
-    _prefill_kernel[(triton.cdiv(longest, BLOCK_M), num_seqs, heads)](
+    block_m, block_n, warps, stages = tile(memory.dtype, dim, q.device)
+    _prefill_kernel[(triton.cdiv(longest, block_m), num_seqs, heads)](
         q,
         memory,
         block_tables,
@@ -158,11 +178,11 @@ def prefill_attention_varlen(
         HEAD_DIM=dim,
         BLOCK_D=triton.next_power_of_2(dim),
         PAGE_SIZE=page_size,
-        BLOCK_M=BLOCK_M,
-        BLOCK_N=BLOCK_N,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
         **dot_options(memory.dtype),
-        num_warps=4,
-        num_stages=2,
+        num_warps=warps,
+        num_stages=stages,
     )
     return out
 

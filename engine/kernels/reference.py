@@ -11,8 +11,13 @@ attention matmuls use them with no further copy.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:  # the fields the kernels read of engine/model/quant.py's format (no Triton at run time)
+    from .quant_matmul import QuantizedWeight
 
 
 def _block_rows(memory: torch.Tensor, layer: int, part: int, pages: torch.Tensor) -> torch.Tensor:
@@ -365,3 +370,68 @@ def lora_grouped(
         y.add_(delta)
     else:
         y.index_add_(0, order, delta.to(y.dtype))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of each row [..., hidden], exactly as Hugging Face's LlamaRMSNorm.
+
+    Semantics: out = weight * (x / sqrt(mean(x^2) + eps)), normalised in float32 and cast back to x's
+    dtype before the weight.
+    """
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def add_rms_norm(
+    hidden: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual add and the next norm: (hidden + delta, rms_norm(hidden + delta))."""
+    hidden = hidden + delta
+    return hidden, rms_norm(hidden, weight, eps)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's activation of the fused [T, 2 I] gate_up output: silu(gate) * up, [T, I]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [T, heads, D] by its positions' cos, sin [T, 1, D] (rotate-half convention, as Hugging
+    Face Llama, so outputs match bit for bit)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return (x * cos) + (rotated * sin)
+
+
+def rotary_write_kv(
+    memory: torch.Tensor,
+    layer: int,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slots: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> None:
+    """Rotate q and k in place (cos, sin [T, 1, head_dim]), then store k and v as `write_kv` does."""
+    q.copy_(apply_rotary(q, cos, sin))
+    k.copy_(apply_rotary(k, cos, sin))
+    write_kv(memory, layer, k, v, slots)
+
+
+def weight_only_matmul(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
+    """W8A16 / W4A16 (quant_matmul.py): x [..., K] @ the dequantized weight's transpose, in x's dtype.
+    The weight is dequantized in float32 and rounded to x's dtype first, as the kernels do: int8 codes
+    times their row's scale; int4 codes (even column in the low nibble) times their group's scale plus
+    its offset."""
+    if w.kind == "int8":
+        dense = w.qweight.float() * w.scales.float()[:, None]
+    else:
+        assert w.zeros is not None
+        codes = torch.stack((w.qweight & 0x0F, w.qweight >> 4), dim=-1).reshape(w.out_features, -1)
+        grouped = codes.float().view(w.out_features, -1, w.group_size)  # [N, K/G, G]
+        dense = grouped * w.scales.float()[..., None] + w.zeros.float()[..., None]
+        dense = dense.view(w.out_features, w.in_features)
+    return x @ dense.to(x.dtype).T

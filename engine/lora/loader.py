@@ -8,7 +8,9 @@ in the pool's dtype, make it refused (`at_fault`); a store that does not answer 
 the next request that wants it tries again. Either way the engine ends only its requests.
 
 What the stackers (`lora/step.py`) read of this object: `version` (changes whenever an adapter's pages
-do), `pool_rows`, `resident` (name -> pool rows per group), `base` and `head_dim`.
+do), `pool_rows`, `resident` (name -> pool rows per group), `tables` (the kernels' persistent index
+tables: an adapter's metadata is written there when it is loaded and freed when it leaves), `base` and
+`head_dim`.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from .host_cache import HostCache
 from .layout import PackedAdapter, count_rows, pack_adapter, physical_rows
 from .registry import AdapterLoad, AdapterRegistry
 from .sources import AdapterSource, LoraWeights
+from .tables import ResidentTables, adapter_meta
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +67,7 @@ class AdapterLoader:
         self.rows_per_page = rows_per_page
         self.host = HostCache(host_cache_bytes)
         self.resident: dict[str, ResidentRows] = {}
+        self.tables = ResidentTables(base.num_layers, pool_rows.device)
         self.loads = 0  # copies into the pool
         self.load_seconds = 0.0  # time spent loading (host reads included when not prefetched)
         registry.listeners.append(self)
@@ -100,9 +104,11 @@ class AdapterLoader:
 
     def dropped(self, name: str) -> None:
         self.resident.pop(name, None)
+        self.tables.remove(name)
 
     def forgotten(self, name: str) -> None:
         self.resident.pop(name, None)
+        self.tables.remove(name)
         self.host.discard(name)
 
     # -- inside ---------------------------------------------------------------------------------------
@@ -125,7 +131,9 @@ class AdapterLoader:
         def place(index: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             return {g: physical_rows(v, load.pages, self.rows_per_page).to(device) for g, v in index.items()}
 
-        self.resident[load.name] = ResidentRows(load.pages, place(packed.a_rows), place(packed.b_rows))
+        resident = ResidentRows(load.pages, place(packed.a_rows), place(packed.b_rows))
+        self.resident[load.name] = resident
+        self.tables.add(load.name, adapter_meta(resident, self.base, self.head_dim))  # once per load
         self.registry.loaded(load.name)
         self.loads += 1
         self.load_seconds += time.perf_counter() - began

@@ -91,12 +91,14 @@ class AdapterRegistry:
         self.version = 0  # changes whenever an adapter's pages change: stacked gathers are stale then
         self.listeners: list[ResidencyListener] = []
         self._entries: dict[str, AdapterEntry] = {}  # registered and draining
-        self._unused: OrderedDict[str, None] = OrderedDict()  # resident, unreferenced, oldest first
+        # Resident, unreferenced, oldest first -> last use (PagePool.tick: one clock with cached prefixes)
+        self._unused: OrderedDict[str, int] = OrderedDict()
         self._loading: dict[str, None] = {}  # resident, rows not copied yet, in the order handed out
         self._resident: dict[str, None] = {}  # in the order they were placed
         self._num_draining = 0
         # Registered and draining adapters by name, for other threads: replaced whole, never changed.
         self.view: Mapping[str, AdapterFacts] = MappingProxyType({})
+        pool.add_evictable(self)  # unused adapters give way to the KV cache, LRU with cached prefixes
 
     # -- what the engine asks -----------------------------------------------------------------------
 
@@ -234,18 +236,22 @@ class AdapterRegistry:
         if name in self.failed or not entry.loaded:  # refused, or pages handed out in vain: free them now
             self._drop(entry)
         else:
-            self._unused[name] = None
+            self._unused[name] = self.pool.tick()
 
     def evict_unused(self, pages_wanted: int) -> int:
-        """Free unreferenced adapters, least recently used first, until `pages_wanted` are free."""
-        freed = 0
-        while self._unused and self.pool.num_free < pages_wanted:
-            freed += self._evict_oldest()
-        return freed
+        """Free unreferenced adapters and unread cached prefix pages, least recently used first (one
+        budget, PagePool.reclaim), until `pages_wanted` are free."""
+        return self.pool.reclaim(pages_wanted)
 
     def evictable_pages(self) -> int:
-        """Pages that evict_unused could free: those of resident adapters no request holds."""
+        """Pages of resident adapters no request holds."""
         return sum(self._entries[name].num_pages for name in self._unused)
+
+    def oldest_unused(self) -> int | None:
+        return next(iter(self._unused.values()), None)
+
+    def evict_oldest(self) -> int:
+        return self._evict_oldest()
 
     def pending_loads(self) -> list[AdapterLoad]:
         """Adapters holding pages whose rows are not copied yet, in the order they were handed out."""

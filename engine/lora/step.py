@@ -4,11 +4,12 @@ adapter, and groups no adapter in the batch targets, cost nothing.
 Two ways to do it. On the CPU (LoraStacker): gather each of the step's adapters' rows from the pool into
 rank-padded matrices, group the tokens by adapter, and run two grouped GEMMs per projection group. With
 the Triton kernels (KernelLoraStacker): the kernels read every adapter's rows straight from the pool
-through small tables, per token for decodes and per segment (one prefill chunk, one adapter) for
-prefills. Both derive what they need once per set of adapters (keyed sorted, so steps with the same
-adapters in another order reuse it) and again only when an adapter's pages change; what changes every
-step (which rows use which adapter) comes from the batch's metadata (engine/batch.py), already on the
-device: building a step's LoRA work copies nothing from the host."""
+through the persistent tables written when each adapter was loaded (lora/tables.py), per token for
+decodes and per segment (one prefill chunk, one adapter) for prefills; a set of adapters adds only its
+slot starts and ranks. Both derive what they need once per set of adapters (keyed sorted, so steps with
+the same adapters in another order reuse it) and again only when an adapter's pages change; what changes
+every step (which rows use which adapter) comes from the batch's metadata (engine/batch.py), already on
+the device: building a step's LoRA work copies nothing from the host."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from loraplex.adapters import BaseShape
 from ..batch import LoraBatch, LoraSegments, StepBatch
 from ..kernels import reference
 from .layout import GROUPS
-from .tables import AdapterRows, LoraTables, step_tables
+from .tables import AdapterRows, LoraTables, ResidentTables
 
 
 class ResidentAdapters(Protocol):
@@ -38,6 +39,9 @@ class ResidentAdapters(Protocol):
 
     @property
     def resident(self) -> Mapping[str, AdapterRows]: ...  # name -> its pool rows per group
+
+    @property
+    def tables(self) -> ResidentTables: ...  # the kernels' persistent tables of the resident adapters
 
     @property
     def base(self) -> BaseShape: ...
@@ -202,12 +206,8 @@ class KernelLoraStacker:
 
     def __init__(self, residency: ResidentAdapters):
         self.residency = residency
-        self._tables = _PerAdapterSet(
-            residency,
-            lambda names: step_tables(
-                [residency.resident[n] for n in names], residency.base, residency.head_dim
-            ),
-        )
+        # The persistent tables plus the set's slot starts and ranks: no per-adapter data copied per step.
+        self._tables = _PerAdapterSet(residency, residency.tables.step_tables)
 
     def build(self, batch: StepBatch) -> KernelLoraStep | None:
         lora = batch.lora

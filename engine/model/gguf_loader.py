@@ -1,4 +1,5 @@
-"""Read a GGUF file: its Llama config, its tokenizer, and its tensors dequantized to float32."""
+"""Read a GGUF file: its Llama config, its tokenizer, and its tensors dequantized to float32, or Q4_0/Q4_1
+projections kept as int4 codes (quant.py's QuantizedWeight, group 32) when an int4 model is asked for."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import torch
 
 from .config import ModelConfig
 from .errors import ModelLoadError
+from .quant import QuantizedWeight, pack_int4, select_rows
+from .quant_formats import GGUF_GROUP_SIZE
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
 
@@ -96,8 +99,11 @@ def _unpermute(weight: np.ndarray, heads: int) -> np.ndarray:
     )
 
 
-def load_gguf(path: Path) -> tuple[ModelConfig, dict[str, Any], dict[str, torch.Tensor]]:
-    """(config, metadata, Hugging Face-named float32 tensors) of a GGUF file."""
+def load_gguf(
+    path: Path, keep_int4: bool = False
+) -> tuple[ModelConfig, dict[str, Any], dict[str, torch.Tensor | QuantizedWeight]]:
+    """(config, metadata, Hugging Face-named float32 tensors) of a GGUF file. With `keep_int4`, Q4_0 and
+    Q4_1 weight matrices come as int4 QuantizedWeights (float32 scales) without a float round trip."""
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
@@ -108,7 +114,7 @@ def load_gguf(path: Path) -> tuple[ModelConfig, dict[str, Any], dict[str, torch.
     metadata = read_metadata(reader)
     config = config_from_metadata(metadata, {t.name for t in reader.tensors}, path)
     arch = metadata["general.architecture"]
-    weights: dict[str, torch.Tensor] = {}
+    weights: dict[str, torch.Tensor | QuantizedWeight] = {}
     for tensor in reader.tensors:
         name = _hf_name(tensor.name)
         if name is None:
@@ -116,6 +122,9 @@ def load_gguf(path: Path) -> tuple[ModelConfig, dict[str, Any], dict[str, torch.
                 raise ModelLoadError(
                     f"{path}: per-frequency RoPE factors (rope_freqs.weight) are not supported"
                 )
+            continue
+        if keep_int4 and tensor.tensor_type.name in _INT4_BLOCKS and len(tensor.shape) == 2:
+            weights[name] = _int4_weight(tensor, arch, config)
             continue
         try:
             values = dequantize(tensor.data, tensor.tensor_type)
@@ -133,6 +142,43 @@ def load_gguf(path: Path) -> tuple[ModelConfig, dict[str, Any], dict[str, torch.
             values = _unpermute(values, config.num_kv_heads)
         weights[name] = torch.from_numpy(np.array(values, dtype=np.float32, order="C", copy=True))
     return config, metadata, weights
+
+
+# Q4_0: fp16 d, then 16 bytes of codes, w = d (q - 8); Q4_1: fp16 d, fp16 m, 16 bytes, w = d q + m.
+# In both, byte j of a block holds weight j in its low nibble and weight j + 16 in its high nibble.
+_INT4_BLOCKS = {"Q4_0": 18, "Q4_1": 20}
+
+
+def _int4_weight(tensor: Any, arch: str, config: ModelConfig) -> QuantizedWeight:
+    rows, cols = (int(d) for d in reversed(tensor.shape))
+    kind = tensor.tensor_type.name
+    blocks = np.asarray(tensor.data, dtype=np.uint8).reshape(
+        rows, cols // GGUF_GROUP_SIZE, _INT4_BLOCKS[kind]
+    )
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # [N, K/32]
+    if kind == "Q4_1":
+        m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        qs = blocks[..., 4:]
+    else:
+        m = -8.0 * d
+        qs = blocks[..., 2:]
+    codes = np.concatenate((qs & 0x0F, qs >> 4), axis=-1).reshape(rows, cols)  # [N, K], block order
+    weight = QuantizedWeight(
+        "int4",
+        pack_int4(torch.from_numpy(codes)),
+        torch.from_numpy(np.ascontiguousarray(d)),
+        torch.from_numpy(np.ascontiguousarray(m)),
+        GGUF_GROUP_SIZE,
+        rows,
+        cols,
+    )
+    heads = {"attn_q.weight": config.num_heads, "attn_k.weight": config.num_kv_heads}.get(
+        tensor.name.split(".", 2)[-1]
+    )
+    if arch == "llama" and heads is not None:  # the same row order _unpermute restores for floats
+        order = _unpermute(np.arange(rows), heads)
+        weight = select_rows(weight, torch.from_numpy(np.ascontiguousarray(order)))
+    return weight
 
 
 def _hf_name(gguf_name: str) -> str | None:

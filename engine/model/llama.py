@@ -9,28 +9,42 @@ Q, K and V share one matmul, as do gate and up: fewer, larger matmuls are what a
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels.reference import apply_rotary
 from .config import ModelConfig
 from .errors import ModelLoadError
-from .rope import apply_rotary, cos_sin_table
+from .layer_ops import REFERENCE_OPS, LayerOps, ops_of
+from .quant import QuantizedWeight, Weight, concat_rows, linear
+from .rope import cos_sin_table
 
-# (layer index, q [T, heads, D], k [T, kv_heads, D], v [T, kv_heads, D]) -> [T, heads, D]
+# (layer index, q [T, heads, D], k [T, kv_heads, D], v [T, kv_heads, D]) -> [T, heads, D]. An attention
+# with a `layer_ops` attribute (layer_ops.py) also picks the norm/activation kernels, and when they say
+# `rotary_in_attention` it is called as a RotaryAttentionFn instead.
 AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class RotaryAttentionFn(Protocol):
+    """Attention that rotates q and k itself (in place) by rope = (cos, sin) [T, 1, D] as it stores k, v."""
+
+    def __call__(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        rope: tuple[torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor: ...
+
+
 # (layer index, projection group "qkv" | "o" | "gate_up" | "down", input x, output y): adds each
 # token's adapter delta to y in place.
 LoraFn = Callable[[int, str, torch.Tensor, torch.Tensor], None]
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # Normalise in float32 and cast back before the weight, exactly as Hugging Face's LlamaRMSNorm.
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
 
 
 class DecoderLayer(nn.Module):
@@ -60,39 +74,46 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         index: int,
-        hidden: torch.Tensor,  # [T, hidden]
+        hidden: torch.Tensor,  # [T, hidden]: the residual stream
+        delta: torch.Tensor | None,  # [T, hidden]: the previous layer's output, not yet added
         cos: torch.Tensor,  # [T, 1, D]
         sin: torch.Tensor,
         attention: AttentionFn,
         lora: LoraFn | None = None,
-    ) -> torch.Tensor:
+        ops: LayerOps = REFERENCE_OPS,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(residual stream, this layer's output still to add). The adds are left to the next norm,
+        which fuses them on the kernel path (the same two ops as before on the torch path)."""
         c = self.config
         tokens = hidden.shape[0]
-        x = rms_norm(hidden, self.input_norm, c.rms_norm_eps)
-        qkv = F.linear(x, self.qkv_proj, self.qkv_bias)  # [T, q + 2 kv]
+        if delta is None:
+            x = ops.rms_norm(hidden, self.input_norm, c.rms_norm_eps)
+        else:
+            hidden, x = ops.add_rms_norm(hidden, delta, self.input_norm, c.rms_norm_eps)
+        qkv = linear(x, self.qkv_proj, self.qkv_bias)  # [T, q + 2 kv]
         if lora is not None:
             lora(index, "qkv", x, qkv)
-        # q and k heads rotate together: one rotary call instead of two.
-        qk = apply_rotary(
-            qkv[:, : c.q_size + c.kv_size].view(tokens, c.num_heads + c.num_kv_heads, c.head_dim), cos, sin
-        )
-        q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]
+        qk = qkv[:, : c.q_size + c.kv_size].view(tokens, c.num_heads + c.num_kv_heads, c.head_dim)
         v = qkv[:, c.q_size + c.kv_size :].view(tokens, c.num_kv_heads, c.head_dim)
-        attn = attention(index, q, k, v).reshape(tokens, c.q_size)  # [T, heads * D]
-        out = F.linear(attn, self.o_proj)
+        if ops.rotary_in_attention:
+            q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]
+            attn = cast(RotaryAttentionFn, attention)(index, q, k, v, rope=(cos, sin))
+        else:
+            qk = apply_rotary(qk, cos, sin)  # q and k heads rotate together: one call instead of two
+            attn = attention(index, qk[:, : c.num_heads], qk[:, c.num_heads :], v)
+        attn = attn.reshape(tokens, c.q_size)  # [T, heads * D]
+        out = linear(attn, self.o_proj)
         if lora is not None:
             lora(index, "o", attn, out)
-        hidden = hidden + out
-        x = rms_norm(hidden, self.post_attention_norm, c.rms_norm_eps)
-        gate_up = F.linear(x, self.gate_up_proj)  # [T, 2 I]
+        hidden, x = ops.add_rms_norm(hidden, out, self.post_attention_norm, c.rms_norm_eps)
+        gate_up = linear(x, self.gate_up_proj)  # [T, 2 I]
         if lora is not None:
             lora(index, "gate_up", x, gate_up)
-        gate, up = gate_up.chunk(2, dim=-1)
-        act = F.silu(gate) * up
-        down = F.linear(act, self.down_proj)
+        act = ops.silu_mul(gate_up)  # [T, I]
+        down = linear(act, self.down_proj)
         if lora is not None:
             lora(index, "down", act, down)
-        return hidden + down
+        return hidden, down
 
 
 class LlamaModel(nn.Module):
@@ -141,20 +162,25 @@ class LlamaModel(nn.Module):
         hidden = F.embedding(input_ids, self.embed_tokens)  # [T, hidden]
         cos = self.rope_cos[positions].unsqueeze(1)  # [T, 1, D]
         sin = self.rope_sin[positions].unsqueeze(1)
+        ops = ops_of(attention)
+        delta = None
         for index, layer in enumerate(self.layers):
-            hidden = layer(index, hidden, cos, sin, attention, lora)
-        return self.compute_logits(hidden[logits_indices])
+            hidden, delta = layer(index, hidden, delta, cos, sin, attention, lora, ops)
+        if delta is not None:
+            hidden = hidden + delta
+        return self.compute_logits(hidden[logits_indices], ops)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        hidden = rms_norm(hidden, self.norm, self.config.rms_norm_eps)
+    def compute_logits(self, hidden: torch.Tensor, ops: LayerOps = REFERENCE_OPS) -> torch.Tensor:
+        hidden = ops.rms_norm(hidden, self.norm, self.config.rms_norm_eps)
         head = self.embed_tokens if self.lm_head is None else self.lm_head
-        return F.linear(hidden, head).float()
+        return linear(hidden, head).float()
 
-    def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
+    def load_weights(self, weights: Mapping[str, Weight]) -> None:
         """Copy Hugging Face-named tensors (model.layers.0.self_attn.q_proj.weight, ...) into place.
 
         Every tensor is checked against the config first: a wrong shape or a missing tensor raises one
-        ModelLoadError that names it.
+        ModelLoadError that names it. A QuantizedWeight (quant.py) replaces its projection's parameter;
+        a quantized lm_head of a tied model sits beside the dense embedding, which lookups need as rows.
         """
         expected = expected_shapes(self.config)
         missing = [name for name in expected if name not in weights and not _is_optional(name, self.config)]
@@ -167,23 +193,39 @@ class LlamaModel(nn.Module):
                     f"the model config expects {shape}"
                 )
         with torch.no_grad():
-            self.embed_tokens.copy_(weights["model.embed_tokens.weight"])
-            self.norm.copy_(weights["model.norm.weight"])
-            if self.lm_head is not None:
-                self.lm_head.copy_(weights.get("lm_head.weight", weights["model.embed_tokens.weight"]))
+            _set_weight(self, "embed_tokens", [weights["model.embed_tokens.weight"]])
+            _set_weight(self, "norm", [weights["model.norm.weight"]])
+            head = weights.get("lm_head.weight")
+            if self.lm_head is not None or isinstance(head, QuantizedWeight):
+                _set_weight(
+                    self, "lm_head", [head if head is not None else weights["model.embed_tokens.weight"]]
+                )
             for i, module in enumerate(self.layers):
                 layer = cast(DecoderLayer, module)
                 p = f"model.layers.{i}."
                 attn = [weights[f"{p}self_attn.{n}_proj.weight"] for n in ("q", "k", "v")]
-                layer.qkv_proj.copy_(torch.cat(attn, dim=0))
+                _set_weight(layer, "qkv_proj", attn)
                 if layer.qkv_bias is not None:
-                    layer.qkv_bias.copy_(torch.cat([weights[f"{p}self_attn.{n}_proj.bias"] for n in "qkv"]))
-                layer.o_proj.copy_(weights[f"{p}self_attn.o_proj.weight"])
+                    _set_weight(layer, "qkv_bias", [weights[f"{p}self_attn.{n}_proj.bias"] for n in "qkv"])
+                _set_weight(layer, "o_proj", [weights[f"{p}self_attn.o_proj.weight"]])
                 gate_up = [weights[f"{p}mlp.{n}_proj.weight"] for n in ("gate", "up")]
-                layer.gate_up_proj.copy_(torch.cat(gate_up, dim=0))
-                layer.down_proj.copy_(weights[f"{p}mlp.down_proj.weight"])
-                layer.input_norm.copy_(weights[f"{p}input_layernorm.weight"])
-                layer.post_attention_norm.copy_(weights[f"{p}post_attention_layernorm.weight"])
+                _set_weight(layer, "gate_up_proj", gate_up)
+                _set_weight(layer, "down_proj", [weights[f"{p}mlp.down_proj.weight"]])
+                _set_weight(layer, "input_norm", [weights[f"{p}input_layernorm.weight"]])
+                _set_weight(layer, "post_attention_norm", [weights[f"{p}post_attention_layernorm.weight"]])
+
+
+def _set_weight(module: nn.Module, name: str, parts: list[Weight]) -> None:
+    """Copy dense parts (concatenated by rows) into the parameter, or put the fused quantized weight in
+    its place (the dense parameter is dropped: quantizing is for the memory it saves)."""
+    if all(isinstance(part, torch.Tensor) for part in parts):
+        dense = [cast(torch.Tensor, part) for part in parts]
+        getattr(module, name).copy_(dense[0] if len(dense) == 1 else torch.cat(dense, dim=0))
+        return
+    if not all(isinstance(part, QuantizedWeight) for part in parts):
+        raise ModelLoadError(f"{name}: its parts mix dense and quantized tensors; quantize them alike")
+    module._parameters.pop(name, None)
+    setattr(module, name, concat_rows([cast(QuantizedWeight, part) for part in parts]))
 
 
 def _is_optional(name: str, config: ModelConfig) -> bool:

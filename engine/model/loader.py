@@ -5,8 +5,11 @@ from __future__ import annotations
 import importlib.util
 import logging
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import torch
 
@@ -16,6 +19,16 @@ from .errors import ModelLoadError
 from .gguf_loader import load_gguf
 from .hf_loader import load_hf_directory
 from .llama import LlamaModel
+from .quant import QuantKind, Weight
+from .quant_formats import GGUF_GROUP_SIZE, parse_quantization
+from .quant_plan import plan_cpu_kernels
+from .quantize_weights import (
+    dense_copy_bytes,
+    quantize_checkpoint,
+    quantize_model,
+    quantized_weights,
+    weight_bytes,
+)
 from .sources import fetch_model
 
 log = logging.getLogger(__name__)
@@ -30,6 +43,7 @@ class LoadedModel:
     tokenizer: Tokenizer | None
     config: ModelConfig
     source: str
+    quantization: str = "none"  # of the linear projections: none, int8 or int4 (quant.py)
 
 
 def default_model_path() -> Path:
@@ -54,9 +68,19 @@ def load_model(
     seed: int = 0,
     max_positions: int | None = None,
     model_cache: Path | str | None = None,
+    quantization: str = "none",
 ) -> LoadedModel:
     """Load `source`: None (the default SmolLM2), `random:<shape>`, a .gguf file or a HF directory, as a
-    path or file:// URI, or downloaded first from s3://... or hf://... into `model_cache` (sources.py)."""
+    path or file:// URI, or downloaded first from s3://... or hf://... into `model_cache` (sources.py).
+
+    `quantization` (quant_formats.QUANTIZATIONS) int8 / int4 / int4-g128 makes the linear projections
+    weight-only quantized (quant.py), from the
+    checkpoint's float values, or as they are for GGUF Q4_0/Q4_1 tensors with int4; on the CPU the
+    kernel for each batch size is then measured (quant_plan.py)."""
+    try:
+        kind, group_size = parse_quantization(quantization)
+    except ValueError as exc:
+        raise ModelLoadError(str(exc)) from None
     started = time.perf_counter()
     if source is None:
         source = default_model_path()
@@ -64,7 +88,11 @@ def load_model(
     if text.startswith(RANDOM_PREFIX):
         config = named_shape(text[len(RANDOM_PREFIX) :])
         model = random_model(config, dtype, device, seed, max_positions)
-        return LoadedModel(model, None, config, text)
+        if kind is not None:
+            with _load_errors():
+                quantize_model(model, cast(QuantKind, kind), group_size)
+            _plan(model, dtype)
+        return LoadedModel(model, None, config, text, quantization)
     text = fetch_model(text, model_cache)
     path = Path(text).expanduser()
     if not path.exists():
@@ -73,20 +101,55 @@ def load_model(
     if path.is_file():
         if path.suffix != ".gguf":
             raise ModelLoadError(f"{path}: expected a .gguf file or a Hugging Face model directory")
-        config, metadata, weights = load_gguf(path)
+        config, metadata, weights = load_gguf(
+            path, keep_int4=kind == "int4" and group_size == GGUF_GROUP_SIZE
+        )
         tokenizer = Tokenizer.from_gguf_metadata(metadata)
     else:
         ggufs = sorted(path.glob("*.gguf"))
         if not (path / "config.json").is_file() and len(ggufs) == 1:
-            return load_model(ggufs[0], dtype, device, seed, max_positions)
-        config, weights = load_hf_directory(path)
+            return load_model(ggufs[0], dtype, device, seed, max_positions, None, quantization)
+        config, dense = load_hf_directory(path)
+        weights = dict[str, Weight](dense)
         tokenizer = Tokenizer.from_directory(path) if (path / "tokenizer.json").is_file() else None
     if tokenizer is not None and not tokenizer.eos_token_ids:
         tokenizer.eos_token_ids = config.eos_token_ids
+    if kind is not None:
+        with _load_errors():
+            weights = quantize_checkpoint(weights, config, cast(QuantKind, kind), group_size, dtype, device)
     model = LlamaModel(config, dtype, device, max_positions)
     model.load_weights(weights)
-    log.info("loaded %s (%s, %s) in %.1fs", path, dtype, device, time.perf_counter() - started)
-    return LoadedModel(model, tokenizer, config, str(path))
+    del weights
+    if kind is not None:
+        if torch.device(device).type == "cuda":
+            torch.cuda.empty_cache()  # the dense placeholders' memory goes back to the pool's budget
+        _plan(model, dtype)
+    log.info(
+        "loaded %s (%s, %s, quantization %s) in %.1fs: weights %.1f MiB, of which %.1f MiB are dense "
+        "copies for batches past the measured crossover",
+        path,
+        dtype,
+        device,
+        quantization,
+        time.perf_counter() - started,
+        weight_bytes(model) / 2**20,
+        dense_copy_bytes(model) / 2**20,
+    )
+    return LoadedModel(model, tokenizer, config, str(path), quantization)
+
+
+@contextmanager
+def _load_errors() -> Iterator[None]:
+    """A weight the quantizer cannot take (a width the group size does not divide) is a load error."""
+    try:
+        yield
+    except ValueError as exc:
+        raise ModelLoadError(f"cannot quantize this model: {exc}") from None
+
+
+def _plan(model: LlamaModel, dtype: torch.dtype) -> None:
+    if model.device.type == "cpu":
+        plan_cpu_kernels(quantized_weights(model), dtype)
 
 
 def random_model(

@@ -1,4 +1,6 @@
-"""Rotary position embeddings, computed the way Hugging Face Llama does so outputs match bit for bit."""
+"""Rotary position embeddings' tables, computed the way Hugging Face Llama does so outputs match bit for
+bit. Applying them is `kernels/reference.apply_rotary` (the CPU path) or, on the kernel path, part of the
+KV write (`kernels/write_kv.rotary_write_kv`)."""
 
 from __future__ import annotations
 
@@ -42,10 +44,3 @@ def cos_sin_table(
     freqs = positions[:, None] * inv_freq[None, :]  # [P, D/2], one multiply per entry as HF's matmul
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(device=device, dtype=dtype), emb.sin().to(device=device, dtype=dtype)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [T, heads, D] by its positions' cos, sin [T, 1, D] (rotate-half convention)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return (x * cos) + (rotated * sin)

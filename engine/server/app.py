@@ -78,6 +78,24 @@ log = logging.getLogger("loraplex.engine.server")
 class Caller:
     trusted: bool  # presented the right internal token
     tenant: str | None
+    tenant_weight: float = 1.0  # the tenant's fair share of the engine, from the gateway
+
+
+def tenant_weight(request: Request) -> float:
+    """The gateway's tenant weight header (read only from the token's holder): a positive finite
+    number, 1 when absent; anything else is the gateway's bug, refused with a 400 that says so."""
+    raw = request.headers.get(wire.TENANT_WEIGHT_HEADER)
+    if raw is None:
+        return 1.0
+    try:
+        weight = float(raw)
+    except ValueError:
+        weight = float("nan")
+    if not (0 < weight < float("inf")):
+        raise OpenAIError(
+            400, f"{wire.TENANT_WEIGHT_HEADER} must be a positive number, got {raw!r}", wire.INVALID_REQUEST
+        )
+    return weight
 
 
 class ServerState:
@@ -246,7 +264,9 @@ class ServerState:
                 wire.INVALID_REQUEST,
                 wire.MISSING_INTERNAL_TOKEN,
             )
-        return Caller(trusted, request.headers.get(wire.TENANT_HEADER) if trusted else None)
+        if not trusted:
+            return Caller(False, None)
+        return Caller(True, request.headers.get(wire.TENANT_HEADER), tenant_weight(request))
 
     # -- which model ----------------------------------------------------------------------------------
 
@@ -369,6 +389,7 @@ class ServerState:
                 temperature=sampling_temperature(body.temperature),
                 top_p=1.0 if body.top_p is None else body.top_p,
                 top_k=max(0, body.top_k or 0),
+                min_p=body.min_p or 0.0,
                 seed=body.seed,
                 stop=body.stop_strings(),
                 ignore_eos=body.ignore_eos,
@@ -380,7 +401,9 @@ class ServerState:
     async def submit(self, job: Job) -> RequestStream:
         engine = self.serving()
         try:
-            return await engine.add_request(job.prompt_ids, job.params, job.adapter, job.tenant)
+            return await engine.add_request(
+                job.prompt_ids, job.params, job.adapter, job.tenant, job.tenant_weight
+            )
         except QueueFull as exc:
             raise OpenAIError(
                 429,
@@ -519,7 +542,10 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
         else:
             ids = prompt
         params = await state.params(body, len(ids), body.max_tokens, body.logprobs, adapter)
-        job = Job(False, body.model, adapter, ids, params, body.stream, body.include_usage, caller.tenant)
+        job = Job(
+            False, body.model, adapter, ids, params, body.stream, body.include_usage, caller.tenant,
+            caller.tenant_weight,
+        )  # fmt: skip
         return await _run(state, job, request)
 
     @app.post("/v1/chat/completions", response_model=None)
@@ -538,7 +564,10 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
         except Exception as exc:  # the template refused the conversation, or the tokenizer did
             raise bad_request(f"messages: {exc}", "messages") from exc
         params = await state.params(body, len(ids), body.token_limit, body.logprobs_wanted, adapter)
-        job = Job(True, body.model, adapter, ids, params, body.stream, body.include_usage, caller.tenant)
+        job = Job(
+            True, body.model, adapter, ids, params, body.stream, body.include_usage, caller.tenant,
+            caller.tenant_weight,
+        )  # fmt: skip
         return await _run(state, job, request)
 
 

@@ -150,6 +150,7 @@ class AsyncEngine:
         self.tokenizer = engine.tokenizer
         self.page_size = engine.config.page_size
         self.pool_tokens = (engine.stats().num_pages - 1) * self.page_size  # less the zero page
+        self.metrics.observe_model(engine.weight_bytes, engine.loaded.quantization)
         # Read by the event loop, written by the loop thread from engine.stats(): plain ints.
         self.waiting = 0
         self.running = 0
@@ -216,6 +217,7 @@ class AsyncEngine:
         params: SamplingParams,
         adapter: str | None = None,
         tenant: str | None = None,
+        tenant_weight: float = 1.0,
     ) -> RequestStream:
         """Queue a request; returns once the engine accepted it (ValueError names what it refused)."""
         if not self.accepting:
@@ -229,7 +231,10 @@ class AsyncEngine:
         stream = RequestStream(f"req-{uuid.uuid4().hex}")
         accepted = self._future()
         ids, arrival = list(prompt_token_ids), time.monotonic()
-        self._post(lambda: self._add(stream, ids, params, adapter, tenant, arrival, accepted), accepted)
+        self._post(
+            lambda: self._add(stream, ids, params, adapter, tenant, tenant_weight, arrival, accepted),
+            accepted,
+        )
         try:
             await accepted
         except asyncio.CancelledError:
@@ -385,6 +390,7 @@ class AsyncEngine:
         params: SamplingParams,
         adapter: str | None,
         tenant: str | None,
+        tenant_weight: float,
         arrival: float,
         accepted: asyncio.Future[None],
     ) -> None:
@@ -394,7 +400,14 @@ class AsyncEngine:
 
         outcome: Exception | None = None
         try:
-            self.engine.add_request(ids, params, request_id=stream.request_id, adapter=adapter)
+            self.engine.add_request(
+                ids,
+                params,
+                request_id=stream.request_id,
+                adapter=adapter,
+                tenant=tenant,
+                tenant_weight=tenant_weight,
+            )
         except UnknownAdapterError:
             outcome = UnknownAdapter(adapter)
         except RefusedAdapterError as exc:

@@ -54,6 +54,7 @@ class Job:
     stream: bool
     include_usage: bool
     tenant: str | None
+    tenant_weight: float = 1.0  # the tenant's share of a busy engine (the gateway's weight header)
 
 
 def adapter_failed(message: str) -> OpenAIError:
@@ -153,7 +154,9 @@ class Delivery:
         return body
 
     def whole(self, output: RequestOutput) -> dict[str, Any]:
-        counted = protocol.usage(len(output.prompt_token_ids), len(output.token_ids))
+        counted = protocol.usage(
+            len(output.prompt_token_ids), len(output.token_ids), output.num_cached_tokens
+        )
         entries = output.logprobs
         logprobs = self.format_logprobs(entries) if self.job.params.logprobs is not None and entries else None
         build = protocol.chat_response if self.job.chat else protocol.completion_response
@@ -183,9 +186,10 @@ class Delivery:
                 return
         yield protocol.sse(chunks.text("", None, output.finish_reason or "stop"))
         if self.job.include_usage:
-            yield protocol.sse(
-                chunks.usage(protocol.usage(len(output.prompt_token_ids), len(output.token_ids)))
+            counted = protocol.usage(
+                len(output.prompt_token_ids), len(output.token_ids), output.num_cached_tokens
             )
+            yield protocol.sse(chunks.usage(counted))
         yield protocol.SSE_DONE
 
 

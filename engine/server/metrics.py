@@ -84,6 +84,12 @@ class ServerMetrics:
         self.adapter_host_cache_bytes = Gauge(
             "loraplex_adapter_host_cache_bytes", "Packed adapters held in host memory.", registry=r
         )
+        self.model_weight_bytes = Gauge(
+            "loraplex_model_weight_bytes",
+            "Bytes the base model's weights hold (quantized codes and scales, and any dense copies kept).",
+            ["quantization"],
+            registry=r,
+        )
         self.adapter_host_cache_lookups = Counter(
             "loraplex_adapter_host_cache_lookups",
             "Adapter loads by what the host cache had: hit (packed), wait (its read was running), miss.",
@@ -129,6 +135,23 @@ class ServerMetrics:
             registry=r,
         )
         self.step_errors = Counter("loraplex_engine_step_errors", "Engine steps that raised.", registry=r)
+        # Hit rate = rate(prefix_cache_hit_tokens) / rate(prefix_cache_queried_tokens).
+        self.prefix_queried_tokens = Counter(
+            "loraplex_prefix_cache_queried_tokens",
+            "Prompt tokens of admitted requests looked up in the prefix cache.",
+            registry=r,
+        )
+        self.prefix_hit_tokens = Counter(
+            "loraplex_prefix_cache_hit_tokens",
+            "Prompt tokens found in the prefix cache (not computed).",
+            registry=r,
+        )
+        self.prefix_evictions = Counter(
+            "loraplex_prefix_cache_evictions", "Cached prefix pages evicted from the pool.", registry=r
+        )
+        self.prefix_cached_pages = Gauge(
+            "loraplex_prefix_cache_pages", "Pool pages held by the prefix cache, read or not.", registry=r
+        )
         # Known label values exist from the start at 0, so a rate() over them has a beginning.
         for outcome in ("ok", "fetch_failed", "invalid"):
             self.adapter_registrations.labels(outcome)
@@ -137,8 +160,12 @@ class ServerMetrics:
         self.requests_rejected.labels("queue_full")
         self._engine_stats: dict[str, float] = {}
 
+    def observe_model(self, weight_bytes: int, quantization: str) -> None:
+        """Set once when the engine is made: the weights do not change while it serves."""
+        self.model_weight_bytes.labels(quantization).set(weight_bytes)
+
     def observe_pool(self, pages_by_kind: Mapping[str, int], num_pages: int) -> None:
-        for kind in ("kv", "adapter", "free", "reserved"):
+        for kind in ("kv", "prefix", "adapter", "free", "reserved"):
             self.pool_pages.labels(kind).set(pages_by_kind.get(kind, 0))
         self.pool_pages_total.set(num_pages)
         self.pool_utilization.set(
@@ -165,11 +192,22 @@ class ServerMetrics:
             (self.adapter_host_cache_lookups.labels("hit"), "hits", float(stats.host_cache_hits)),
             (self.adapter_host_cache_lookups.labels("wait"), "waits", float(stats.host_cache_waits)),
             (self.adapter_host_cache_lookups.labels("miss"), "misses", float(stats.host_cache_misses)),
+            *self._prefix_totals(stats),
         ):
             previous = self._engine_stats.get(key, 0.0)
             if value > previous:
                 counter.inc(value - previous)
             self._engine_stats[key] = value
+
+    def _prefix_totals(self, stats: EngineStats) -> list[tuple[Counter, str, float]]:
+        if stats.prefix is None:  # prefix caching is off
+            return []
+        self.prefix_cached_pages.set(stats.prefix.cached_pages)
+        return [
+            (self.prefix_queried_tokens, "prefix_queried", float(stats.prefix.queried_tokens)),
+            (self.prefix_hit_tokens, "prefix_hits", float(stats.prefix.hit_tokens)),
+            (self.prefix_evictions, "prefix_evictions", float(stats.prefix.evictions)),
+        ]
 
     def count_prompt(self, tenant: str | None, tokens: int) -> None:
         self.prompt_tokens.inc(tokens)

@@ -70,6 +70,7 @@ class _GenerationRequest(BaseModel):
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=-1, description="0 or -1: no limit (an extension, as in vLLM)")
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0, description="an extension, as in vLLM")
     seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
     stop: str | list[str] | None = None
     n: int | None = None
@@ -262,11 +263,13 @@ def now() -> int:
     return int(time.time())
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI's usage; `cached_tokens`: prompt tokens served from the prefix cache, not computed."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
 
 
@@ -316,7 +319,7 @@ def completion_response(
     model: str,
     text: str,
     reason: str | None,
-    counted: dict[str, int],
+    counted: dict[str, Any],
     logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     return {
@@ -334,7 +337,7 @@ def chat_response(
     model: str,
     text: str,
     reason: str | None,
-    counted: dict[str, int],
+    counted: dict[str, Any],
     logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     return {
@@ -405,7 +408,7 @@ class ChunkMaker:
             choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason(reason)}
         return self._chunk([choice])
 
-    def usage(self, counted: dict[str, int]) -> dict[str, Any]:
+    def usage(self, counted: dict[str, Any]) -> dict[str, Any]:
         return {**self._chunk([]), "usage": counted}
 
 

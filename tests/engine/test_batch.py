@@ -15,7 +15,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from loraplex.engine import EngineConfig, LLMEngine, SamplingParams
-from loraplex.engine.batch import BatchBuilder, StepBatch, order_chunks
+from loraplex.engine.batch import BatchBuilder, DecodeBuckets, StepBatch, order_chunks
 from loraplex.engine.lora.synthetic import SyntheticAdapter
 from loraplex.engine.model.loader import load_model
 
@@ -176,6 +176,82 @@ def test_bad_layouts_are_refused() -> None:
         builder.build([decode, FakeChunk(request(9, [6, 8]), 4, 5)])
     with pytest.raises(ValueError, match="page_size"):
         BatchBuilder(0, "cpu")
+
+
+def decodes(count: int, first_page: int = 20) -> list[FakeChunk]:
+    """`count` decodes of other lengths and pages (page size 4), adapters on every other one."""
+    chunks = []
+    for i in range(count):
+        length = 5 + 3 * i
+        pages = list(range(first_page + 4 * i, first_page + 4 * i + -(-length // 4)))
+        chunks.append(FakeChunk(request(length, pages, "a" if i % 2 else None), length - 1, 1))
+    return order_chunks(chunks)
+
+
+def test_graph_ready_decode_steps_have_one_layout_per_bucket() -> None:
+    """3 and 4 decodes (other requests, pages and adapters) are both bucket 4: the same shapes and the
+    same copy size; the padding row decodes token 0 at position 0 on the padding page, its logits last."""
+    buckets = DecodeBuckets((1, 2, 4, 8), max_blocks=6, padding_page=1)
+    builder = BatchBuilder(4, "cpu", buckets)
+    three = builder.build(decodes(3))
+
+    def shapes(batch: StepBatch) -> list[tuple[int, ...]]:
+        """What the decode kernels read (the grouped-GEMM order is the torch path's, sized per step)."""
+        assert batch.decode is not None and batch.lora is not None and batch.lora.decode_slots is not None
+        kernel_inputs = (batch.input_ids, batch.positions, batch.slots, batch.logits_indices)
+        tables = (batch.decode.block_tables, batch.decode.context_lens, batch.lora.decode_slots)
+        return [tuple(t.shape) for t in (*kernel_inputs, *tables)]
+
+    three_shapes = shapes(three)
+    assert three.num_tokens == 4 and three.logits_indices.tolist() == [0, 1, 2, 3]
+    assert three.input_ids[3] == 0 and three.positions[3] == 0 and three.slots[3] == 1 * 4
+    decode = three.decode
+    assert decode is not None and decode.block_tables.shape == (4, 6)
+    assert decode.block_tables[3].tolist() == [1, 0, 0, 0, 0, 0] and decode.context_lens[3] == 1
+    assert decode.block_tables[0].tolist() == [28, 29, 30, 0, 0, 0]  # the longest, padded to 6
+    assert three.lora is not None and three.lora.decode_slots is not None
+    assert three.lora.decode_slots.tolist() == [-1, 0, -1, -1]  # padding uses no adapter
+    assert three.token_adapters == [None, "a", None, None]
+    assert three.num_padding == 1
+    # Built after `three` was read: a graph-ready batch lives until the next step of its bucket.
+    four = builder.build(decodes(4, first_page=40))
+    assert four.num_padding == 0 and shapes(four) == three_shapes
+
+
+def test_graph_ready_steps_of_a_bucket_reuse_one_device_buffer() -> None:
+    """Static inputs: each step of a bucket copies its metadata into the bucket's one buffer (the
+    addresses a captured graph reads); another bucket has its own."""
+    builder = BatchBuilder(4, "cpu", DecodeBuckets((1, 2, 4, 8), max_blocks=6, padding_page=1))
+    three = builder.build(decodes(3))
+    four = builder.build(decodes(4, first_page=40))
+    assert four.input_ids.data_ptr() == three.input_ids.data_ptr()
+    assert four.decode is not None and three.decode is not None
+    assert four.decode.block_tables.data_ptr() == three.decode.block_tables.data_ptr()
+    assert three.decode.block_tables[0].tolist() == [52, 53, 54, 55, 0, 0]  # now the second step's
+    two = builder.build(decodes(2))
+    assert two.input_ids.data_ptr() != four.input_ids.data_ptr()
+    assert builder.stats.uploads == 3
+
+
+def test_graph_ready_leaves_other_steps_exact() -> None:
+    builder = BatchBuilder(4, "cpu", DecodeBuckets((1, 2, 4, 8), max_blocks=6, padding_page=1))
+    mixed = builder.build(order_chunks(mixed_chunks()))  # prefill chunks: not padded
+    assert mixed.num_padding == 0 and mixed.num_tokens == 14
+    assert builder.build(decodes(9)).num_padding == 0  # beyond the largest bucket
+    with pytest.raises(ValueError, match="spans 7 pages, more than the buckets' 6"):
+        builder.build([FakeChunk(request(27, list(range(2, 9))), 26, 1)])
+
+
+def test_decode_buckets_are_checked() -> None:
+    assert DecodeBuckets.up_to(48, 8, 1).sizes == (1, 2, 4, 8, 16, 32, 48)
+    assert DecodeBuckets.up_to(1, 8, 1).sizes == (1,)
+    assert DecodeBuckets((1, 4), 8, 1).bucket(3) == 4 and DecodeBuckets((1, 4), 8, 1).bucket(5) is None
+    with pytest.raises(ValueError, match="ascending"):
+        DecodeBuckets((4, 2), 8, 1)
+    with pytest.raises(ValueError, match="page 0"):
+        DecodeBuckets((1, 2), 8, 0)
+    with pytest.raises(ValueError, match="max_blocks"):
+        DecodeBuckets((1, 2), 0, 1)
 
 
 def tensors_of(value: Any) -> Iterator[torch.Tensor]:

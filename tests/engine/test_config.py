@@ -367,7 +367,8 @@ def test_every_engine_config_field_is_an_option_and_every_setting_is_one() -> No
 def test_serve_has_a_flag_for_every_option_and_nothing_else() -> None:
     serve = build_parser().parse_args(["serve"]).command_parser
     flags = {s for action in serve._actions for s in action.option_strings} - {"-h", "--help", "--adapter"}
-    assert flags == {flag for o in ALL_OPTIONS for flag in o.flags}
+    negated = {f"--no-{flag[2:]}" for o in ALL_OPTIONS if o.kind is bool for flag in o.flags}
+    assert flags == {flag for o in ALL_OPTIONS for flag in o.flags} | negated
 
 
 @pytest.mark.parametrize(

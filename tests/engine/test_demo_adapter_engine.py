@@ -24,14 +24,13 @@ def uppercase_ratio(texts: list[str]) -> float:
     return sum(c.isupper() for c in letters) / max(len(letters), 1)
 
 
-@pytest.mark.slow
-def test_engine_replies_in_uppercase_with_the_demo_adapter(smollm2) -> None:
-    engine = LLMEngine(EngineConfig(device="cpu", dtype="float32"), loaded=smollm2)
+def assert_replies_in_uppercase_only_with_the_demo(engine: LLMEngine) -> None:
+    """Register the demo adapter; greedy replies with it are >= 90% capitals, the base model's < 50%
+    (adapter and base requests in the same batch)."""
+    assert engine.tokenizer is not None
     engine.register_adapter("demo-uppercase", DEMO)
-    tokenizer = smollm2.tokenizer
-    prompts = [tokenizer.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
+    prompts = [engine.tokenizer.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
     params = SamplingParams(max_tokens=32, temperature=0.0)
-    # Adapter and base requests in the same batch.
     outputs = engine.generate(
         prompts * 2, params, adapters=["demo-uppercase"] * len(prompts) + [None] * len(prompts)
     )
@@ -39,3 +38,9 @@ def test_engine_replies_in_uppercase_with_the_demo_adapter(smollm2) -> None:
     base = [o.text for o in outputs[len(prompts) :]]
     assert uppercase_ratio(adapted) >= 0.9, adapted
     assert uppercase_ratio(base) < 0.5, base
+
+
+@pytest.mark.slow
+def test_engine_replies_in_uppercase_with_the_demo_adapter(smollm2) -> None:
+    engine = LLMEngine(EngineConfig(device="cpu", dtype="float32"), loaded=smollm2)
+    assert_replies_in_uppercase_only_with_the_demo(engine)

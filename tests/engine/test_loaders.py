@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -133,6 +134,7 @@ def write_gguf(
     config: ModelConfig,
     arch: str = "llama",
     q8_1_tensor: str | None = None,
+    quant_types: dict[str, Any] | None = None,
 ) -> None:
     """A GGUF the way llama.cpp's converter writes one (q and k rows permuted), with a byte-level vocab."""
     import gguf
@@ -188,6 +190,10 @@ def write_gguf(
             block_size, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.Q8_1]
             raw = np.zeros((rows, cols // block_size * type_size), dtype=np.uint8)
             writer.add_tensor(gguf_name, raw, raw_dtype=gguf.GGMLQuantizationType.Q8_1)
+        elif quant_types and gguf_name.split(".")[-2] in quant_types:  # e.g. {"attn_q": Q4_0}
+            qtype = quant_types[gguf_name.split(".")[-2]]
+            raw = gguf.quants.quantize(np.ascontiguousarray(array), qtype)
+            writer.add_tensor(gguf_name, raw, raw_dtype=qtype)
         else:
             writer.add_tensor(gguf_name, np.ascontiguousarray(array))
     writer.write_header_to_file()

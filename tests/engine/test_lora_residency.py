@@ -9,8 +9,24 @@ import pytest
 
 from loraplex.adapters import AdapterError
 from loraplex.engine import EngineConfig, LLMEngine, SamplingParams
+from loraplex.engine.lora.loader import AdapterLoader
+from loraplex.engine.lora.tables import adapter_meta
 
 from ..adapters.conftest import TINY, make_peft_adapter
+
+
+def assert_tables_follow_residency(loader: AdapterLoader) -> None:
+    """The kernels' persistent tables hold exactly the resident adapters, each one's metadata in its
+    own column range (what a step's tables point into)."""
+    for group, table in loader.tables.groups.items():
+        assert set(table.ranges) == {n for n, r in loader.resident.items() if group in r.a_rows}, group
+    for name, rows in loader.resident.items():
+        for group, meta in adapter_meta(rows, loader.base, loader.head_dim).items():
+            table = loader.tables.groups[group]
+            start, size = table.ranges[name]
+            assert size == meta.rank
+            for field in ("a_starts", "b_starts", "b_cols", "b_widths"):
+                assert (getattr(table, field)[:, start : start + size] == getattr(meta, field)).all()
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +55,7 @@ def test_load_hold_release_evict(engine_and_adapters) -> None:  # type: ignore[n
     version = loader.version
     assert loader.load([load]) == [] and loader.version != version
     assert loader.resident["a"].pages == load.pages and not registry.pending_loads()
+    assert_tables_follow_residency(loader)
     with pytest.raises(AdapterError, match="serving 1 request"):
         engine.register_adapter("a", dirs["a"])
     assert registry.evict_unused(engine.pool.num_pages) == 0  # in use: never evicted
@@ -49,6 +66,7 @@ def test_load_hold_release_evict(engine_and_adapters) -> None:  # type: ignore[n
     assert registry.evict_unused(engine.pool.num_pages) == used
     assert engine.pool.pages_by_kind()["adapter"] == 0 and loader.version != version
     assert "a" not in loader.resident and "a" in loader.host  # the host copy stays for next time
+    assert_tables_follow_residency(loader)
 
 
 def test_kv_takes_pages_from_unused_adapters(engine_and_adapters) -> None:  # type: ignore[no-untyped-def]
@@ -57,11 +75,22 @@ def test_kv_takes_pages_from_unused_adapters(engine_and_adapters) -> None:  # ty
         engine.register_adapter(name, path)
     outputs = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=2, temperature=0.0), adapters="b")
     assert len(outputs[0].token_ids) == 2 and "b" in engine.registry.resident_names()
+    assert_tables_follow_residency(engine.loader)
     # A base request whose KV needs the whole pool: the unused adapter gives way.
     free = engine.pool.num_pages - 1
     engine.generate([[3] * (free * 16 - 12)], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     assert "b" not in engine.registry.resident_names() and engine.stats().adapter_evictions >= 1
-    assert engine.pool.pages_by_kind() == {"free": free, "kv": 0, "adapter": 0, "reserved": 1}
+    assert_tables_follow_residency(engine.loader)  # its columns freed with its pages
+    # Its full pages stay in the prefix cache, evictable like unused adapters.
+    cached = engine.pool.reclaimable_pages()
+    assert cached == (free * 16 - 12) // 16
+    assert engine.pool.pages_by_kind() == {
+        "free": free - cached,
+        "kv": 0,
+        "prefix": cached,
+        "adapter": 0,
+        "reserved": 1,
+    }
     with pytest.raises(ValueError, match="not registered"):
         engine.add_request([1, 2], adapter="missing")
 

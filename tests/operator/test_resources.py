@@ -99,6 +99,21 @@ def test_hpa_mode_adds_a_pods_metric_hpa() -> None:
     assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (1, 8)
 
 
+def test_quantization_travels_as_a_serve_flag_only_when_set() -> None:
+    # Unset, the args stay as they were, so an operator upgrade does not roll existing deployments.
+    assert "--quantization" not in engine_args(parse(body()))
+    quantized = parse(body(model={"uri": "/models/m.gguf", "quantization": "int4"}))
+    args = engine_args(quantized)
+    assert args[args.index("--quantization") + 1] == "int4"
+    assert args.index("--quantization") < len(args) - len(quantized.spec.engine.extra_args)
+    before = by_kind(desired_objects(parse(body(model={"uri": "/models/m.gguf"}))))["Deployment"]
+    after = by_kind(desired_objects(quantized))["Deployment"]
+    assert (
+        before["metadata"]["annotations"][HASH_ANNOTATION]
+        != after["metadata"]["annotations"][HASH_ANNOTATION]
+    )
+
+
 def test_extra_args_change_changes_the_deployment_hash() -> None:
     before = by_kind(desired_objects(parse(body())))["Deployment"]
     after_idep = parse(body(engine={"image": "ghcr.io/loraplex/engine:0.2.0", "extraArgs": ["--x"]}))

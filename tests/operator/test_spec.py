@@ -113,6 +113,7 @@ def test_minimal_body_gets_defaults() -> None:
     [
         ({"replicas": {"min": 5, "max": 2}}, "spec.replicas.min (5) exceeds spec.replicas.max (2)"),
         ({"model": {"uri": "/m.gguf", "dtype": "int3"}}, "spec.model.dtype is 'int3'"),
+        ({"model": {"uri": "/m.gguf", "quantization": "int3"}}, "spec.model.quantization is 'int3'"),
         ({"model": {"uri": "gs://b/m"}}, "spec.model.uri scheme 'gs' is not supported"),
         ({"model": {"uri": "https://example.com/m.gguf"}}, "scheme 'https' is not supported"),
         ({"model": {"uri": "models/m.gguf"}}, "spec.model.uri 'models/m.gguf' is relative"),
@@ -190,3 +191,17 @@ def test_name_too_long_is_rejected() -> None:
         parse(bad)
     bad["metadata"]["name"] = "x" * 56
     assert parse(bad).name == "x" * 56
+
+
+def test_quantization_choices_are_the_engines_in_the_schema_and_the_spec() -> None:
+    from loraplex.engine.model.quant_formats import QUANTIZATIONS
+
+    model = crd_schema()["properties"]["spec"]["properties"]["model"]["properties"]
+    assert tuple(model["quantization"]["enum"]) == QUANTIZATIONS
+    validator = jsonschema.Draft4Validator(crd_schema())
+    assert not list(validator.iter_errors(body(model={"uri": "/m.gguf", "quantization": "int4"})))
+    assert any(
+        "'fp8'" in e.message for e in validator.iter_errors(body(model={"uri": "/m", "quantization": "fp8"}))
+    )
+    for choice in QUANTIZATIONS:
+        assert parse(body(model={"uri": "/m.gguf", "quantization": choice})).spec.model.quantization == choice

@@ -396,6 +396,7 @@ def test_usage_page_and_csv_export(app: FastAPI, member: TestClient) -> None:
                     model=model,
                     endpoint="chat/completions",
                     prompt_tokens=tokens,
+                    cached_tokens=tokens // 2,
                     completion_tokens=2 * tokens,
                     status="ok",
                     created_at=dt.datetime.combine(day, dt.time(9), dt.UTC),
@@ -413,9 +414,9 @@ def test_usage_page_and_csv_export(app: FastAPI, member: TestClient) -> None:
     assert export.headers["content-type"].startswith("text/csv")
     assert 'filename="loraplex-usage-acme-' in export.headers["content-disposition"]
     lines = export.text.splitlines()
-    assert lines[0] == "day,model,requests,prompt_tokens,completion_tokens,total_tokens"
-    assert f"{today.isoformat()},poet,1,10,20,30" in lines
-    assert f"{today.isoformat()},'=cmd(),1,5,10,15" in lines  # no formula for spreadsheets
+    assert lines[0] == "day,model,requests,prompt_tokens,cached_tokens,completion_tokens,total_tokens"
+    assert f"{today.isoformat()},poet,1,10,5,20,30" in lines
+    assert f"{today.isoformat()},'=cmd(),1,5,2,10,15" in lines  # no formula for spreadsheets
     assert len(lines) == 4
 
 

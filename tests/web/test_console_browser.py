@@ -316,8 +316,10 @@ def test_upload_the_demo_adapter_chat_with_it_streaming_and_see_the_usage(
     with page.expect_download() as download:
         page.get_by_role("link", name="Export CSV").click()
     csv_text = Path(download.value.path()).read_text()
-    assert csv_text.startswith("day,model,requests,prompt_tokens,completion_tokens,total_tokens\n")
-    assert re.search(rf"^{today},shout,1,\d+,\d+,\d+$", csv_text, re.M), csv_text
+    assert csv_text.startswith(
+        "day,model,requests,prompt_tokens,cached_tokens,completion_tokens,total_tokens\n"
+    )
+    assert re.search(rf"^{today},shout,1,\d+,\d+,\d+,\d+$", csv_text, re.M), csv_text
 
     page.goto("/console")
     expect(page.locator("figure#usage-30d rect").first).to_be_visible()

@@ -131,6 +131,33 @@ async def set_quota(tenant_id: uuid.UUID, request: Request, _: Admin) -> Respons
     return await run_in_threadpool(apply)
 
 
+@router.post("/console/admin/tenants/{tenant_id}/share")
+def set_fair_share(
+    tenant_id: uuid.UUID,
+    request: Request,
+    session: SessionDep,
+    _: Admin,
+    fair_share_weight: Annotated[str, Form()] = "",
+) -> Response:
+    """The tenant's share of a busy engine (sent to the engines with each of its requests)."""
+    try:
+        update = TenantUpdate(fair_share_weight=float(fair_share_weight.strip()))
+    except (ValueError, ValidationError):  # ValidationError is a ValueError too: one message for both
+        error = "A number above 0 and at most 1000 (1 is an equal share)."
+        return _tenant_page(
+            request, session, tenant_id, 422, share_error=error, share_value=fair_share_weight
+        )
+    try:
+        tenant = tenants.update_tenant(session, tenant_id, update)
+    except ServiceError as exc:
+        return redirect(request, "/console/admin/tenants", flash=exc.message)
+    return redirect(
+        request,
+        f"/console/admin/tenants/{tenant_id}",
+        flash=f"Fair share weight set to {tenant.fair_share_weight:g}.",
+    )
+
+
 @router.post("/console/admin/tenants/{tenant_id}/status")
 def set_tenant_status(
     tenant_id: uuid.UUID,

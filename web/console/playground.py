@@ -53,7 +53,12 @@ class PlaygroundChat(BaseModel):
 def principal_of(user: UserView) -> Principal:
     assert user.tenant_id is not None and user.tenant_name is not None
     # No API key is involved: the usage record's key is left empty, which marks console traffic.
-    return Principal(tenant_id=user.tenant_id, tenant_name=user.tenant_name, key_id=None)
+    return Principal(
+        tenant_id=user.tenant_id,
+        tenant_name=user.tenant_name,
+        key_id=None,
+        fair_share_weight=user.tenant_fair_share_weight,
+    )
 
 
 def _models(session: SessionDep, user: UserView) -> list[dict[str, Any]]:

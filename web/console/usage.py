@@ -34,15 +34,17 @@ class ModelTotal:
     requests: int
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int  # of the prompt tokens, those the engine took from its prefix cache
 
 
 def totals_by_model(summary: UsageSummary) -> list[ModelTotal]:
     totals: dict[str, list[int]] = {}
     for row in summary.rows:
-        counts = totals.setdefault(row.model, [0, 0, 0])
+        counts = totals.setdefault(row.model, [0, 0, 0, 0])
         counts[0] += row.requests
         counts[1] += row.prompt_tokens
         counts[2] += row.completion_tokens
+        counts[3] += row.cached_tokens
     ranked = sorted(totals.items(), key=lambda item: (-(item[1][1] + item[1][2]), item[0]))
     return [ModelTotal(model, *counts) for model, counts in ranked]
 
@@ -98,7 +100,16 @@ def usage_csv(request: Request, session: SessionDep, user: Member, days: Days = 
     summary = usage.summarize(session, user.tenant_id, days)
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
-    writer.writerow(["day", "model", "requests", "prompt_tokens", "completion_tokens", "total_tokens"])
+    header = [
+        "day",
+        "model",
+        "requests",
+        "prompt_tokens",
+        "cached_tokens",
+        "completion_tokens",
+        "total_tokens",
+    ]
+    writer.writerow(header)
     for row in summary.rows:
         writer.writerow(
             [
@@ -106,6 +117,7 @@ def usage_csv(request: Request, session: SessionDep, user: Member, days: Days = 
                 _cell(row.model),
                 row.requests,
                 row.prompt_tokens,
+                row.cached_tokens,
                 row.completion_tokens,
                 row.prompt_tokens + row.completion_tokens,
             ]

@@ -13,6 +13,7 @@ from sqlalchemy import (
     Date,
     DateTime,
     Enum,
+    Float,
     ForeignKey,
     Index,
     Integer,
@@ -61,6 +62,9 @@ class Tenant(Base):
     id: Mapped[uuid.UUID] = mapped_column(primary_key=True, default=uuid.uuid4)
     name: Mapped[str] = mapped_column(String(128), unique=True)
     disabled: Mapped[bool] = mapped_column(default=False)
+    # The tenant's share of a busy engine relative to others (2: twice the tokens of a tenant of 1); the
+    # gateway sends it with every request, the engine's fairness counters divide by it.
+    fair_share_weight: Mapped[float] = mapped_column(Float, default=1.0, server_default="1")
     created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
 
     quota: Mapped[Quota | None] = relationship(back_populates="tenant", cascade="all, delete-orphan")
@@ -194,6 +198,8 @@ class UsageRecord(Base):
     endpoint: Mapped[str] = mapped_column(String(64))
     prompt_tokens: Mapped[int] = mapped_column(default=0)
     completion_tokens: Mapped[int] = mapped_column(default=0)
+    # Prompt tokens the engine served from its prefix cache (usage.prompt_tokens_details.cached_tokens).
+    cached_tokens: Mapped[int] = mapped_column(default=0, server_default="0")
     # False when the counts are estimated (no usage came back from the engine).
     exact: Mapped[bool] = mapped_column(default=True)
     latency_ms: Mapped[int] = mapped_column(default=0)

@@ -148,7 +148,9 @@ class CompletionStream:
             status = wire.ADAPTER_FAILED
         elif status == "ok" and not exact:
             status = "ok_estimated"
-        await self.call.finish(status, prompt, completion, exact)
+        await self.call.finish(
+            status, prompt, completion, exact, cached=gateway.cached_tokens(self.meter.usage)
+        )
 
 
 @dataclass(frozen=True)
@@ -240,7 +242,9 @@ class Gateway:
         self, call: metering.Call, endpoint: str, content: bytes, streaming: bool, prompt_estimate: int
     ) -> Completion | CompletionStream:
         target = call.target
-        headers = gateway.upstream_headers(target, call.principal.tenant_id, self.engine_token)
+        headers = gateway.upstream_headers(
+            target, call.principal.tenant_id, self.engine_token, call.principal.fair_share_weight
+        )
         try:
             upstream = await self._open(target, endpoint, content, headers)
         except httpx.TimeoutException:
@@ -271,7 +275,14 @@ class Gateway:
             raise await _engine_refused(call, upstream.status_code, answer, media)
         counted = gateway.usage_of_body(answer)
         if counted is not None:
-            await call.finish("ok", counted["prompt_tokens"], counted["completion_tokens"], True, True)
+            await call.finish(
+                "ok",
+                counted["prompt_tokens"],
+                counted["completion_tokens"],
+                True,
+                True,
+                gateway.cached_tokens(counted),
+            )
         else:
             await call.finish("ok_estimated", prompt_estimate, 0, False, True)
         return Completion(answer, upstream.status_code, media)

@@ -102,8 +102,10 @@ def _model(name: str, created: Any, owner: str) -> dict[str, Any]:
     return {"id": name, "object": "model", "created": int(created.timestamp()), "owned_by": owner}
 
 
-def upstream_headers(target: Target, tenant_id: uuid.UUID, internal_token: str) -> dict[str, str]:
-    return wire.request_headers(internal_token, str(tenant_id), target.adapter)
+def upstream_headers(
+    target: Target, tenant_id: uuid.UUID, internal_token: str, fair_share_weight: float = 1.0
+) -> dict[str, str]:
+    return wire.request_headers(internal_token, str(tenant_id), target.adapter, fair_share_weight)
 
 
 # -- what a tenant's request body may hold --------------------------------------------------------------
@@ -307,6 +309,14 @@ class Meter:
             prompt = self.usage.get("prompt_tokens", 0)
             return (prompt if isinstance(prompt, int) else 0), int(self.usage["completion_tokens"]), True
         return self.prompt_estimate, self.chunks, False
+
+
+def cached_tokens(usage: dict[str, Any] | None) -> int:
+    """The prompt tokens the engine took from its prefix cache (OpenAI's
+    usage.prompt_tokens_details.cached_tokens); 0 when the engine does not say."""
+    details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    return cached if isinstance(cached, int) and cached >= 0 else 0
 
 
 def usage_of_body(content: bytes) -> dict[str, int] | None:

@@ -29,6 +29,7 @@ class Principal:
     tenant_id: uuid.UUID
     tenant_name: str
     key_id: uuid.UUID | None
+    fair_share_weight: float = 1.0  # sent to the engine with each request (its fairness counters)
 
 
 def generate_key() -> str:
@@ -113,4 +114,9 @@ def authenticate(session: Session, key: str, pepper: bytes) -> Principal | None:
     if last_used is None or now - last_used > LAST_USED_RESOLUTION:
         row.last_used_at = now
         session.commit()
-    return Principal(tenant_id=tenant.id, tenant_name=tenant.name, key_id=row.id)
+    return Principal(
+        tenant_id=tenant.id,
+        tenant_name=tenant.name,
+        key_id=row.id,
+        fair_share_weight=tenant.fair_share_weight,
+    )

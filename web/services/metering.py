@@ -98,7 +98,13 @@ class Call:
             return False
 
     async def finish(
-        self, status: str, prompt: int, completion: int, exact: bool, produced_at_end: bool = False
+        self,
+        status: str,
+        prompt: int,
+        completion: int,
+        exact: bool,
+        produced_at_end: bool = False,
+        cached: int = 0,
     ) -> None:
         """Settle the quota and record usage; never raises (the response is already decided).
 
@@ -118,9 +124,9 @@ class Call:
                     self.ledger.spread(completion, self.started_at, now)
                 self.ledger.settle_exact(prompt, completion, now)
                 await self._write_ledger(now, final=True)
-            await run_in_threadpool(self._record, status, prompt, completion, exact)
+            await run_in_threadpool(self._record, status, prompt, completion, exact, cached)
 
-    def _record(self, status: str, prompt: int, completion: int, exact: bool) -> None:
+    def _record(self, status: str, prompt: int, completion: int, exact: bool, cached: int = 0) -> None:
         try:
             with self.db.session() as session:
                 if self.adapter_error is not None and self.target.adapter_sha256:
@@ -135,6 +141,7 @@ class Call:
                         endpoint=self.endpoint,
                         prompt_tokens=prompt,
                         completion_tokens=completion,
+                        cached_tokens=cached,
                         exact=exact,
                         latency_ms=int((time.monotonic() - self.started) * 1000),
                         status=status,

@@ -16,12 +16,17 @@ from .errors import Conflict, NotFound
 def to_public(tenant: Tenant) -> TenantPublic:
     quota = QuotaPublic.model_validate(tenant.quota) if tenant.quota else QuotaPublic()
     return TenantPublic(
-        id=tenant.id, name=tenant.name, disabled=tenant.disabled, created_at=tenant.created_at, quota=quota
+        id=tenant.id,
+        name=tenant.name,
+        disabled=tenant.disabled,
+        fair_share_weight=tenant.fair_share_weight,
+        created_at=tenant.created_at,
+        quota=quota,
     )
 
 
-def create_tenant(session: Session, name: str) -> TenantPublic:
-    tenant = Tenant(name=name, quota=Quota())
+def create_tenant(session: Session, name: str, fair_share_weight: float = 1.0) -> TenantPublic:
+    tenant = Tenant(name=name, quota=Quota(), fair_share_weight=fair_share_weight)
     session.add(tenant)
     try:
         session.commit()
@@ -53,6 +58,8 @@ def update_tenant(session: Session, tenant_id: uuid.UUID, update: TenantUpdate) 
         tenant.name = update.name
     if update.disabled is not None:
         tenant.disabled = update.disabled
+    if update.fair_share_weight is not None:
+        tenant.fair_share_weight = update.fair_share_weight
     try:
         session.commit()
     except IntegrityError:

@@ -24,6 +24,7 @@ class Usage:
     endpoint: str
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens the engine took from its prefix cache
     exact: bool = True
     latency_ms: int = 0
     status: str = "ok"
@@ -52,14 +53,22 @@ def summarize(session: Session, tenant_id: uuid.UUID, days: int) -> UsageSummary
             func.count(),
             func.coalesce(func.sum(UsageRecord.prompt_tokens), 0),
             func.coalesce(func.sum(UsageRecord.completion_tokens), 0),
+            func.coalesce(func.sum(UsageRecord.cached_tokens), 0),
         )
         .where(UsageRecord.tenant_id == tenant_id, UsageRecord.day >= since)
         .group_by(UsageRecord.day, UsageRecord.model)
         .order_by(UsageRecord.day, UsageRecord.model)
     ).all()
     out = [
-        UsageRow(day=day, model=model, requests=n, prompt_tokens=int(p), completion_tokens=int(c))
-        for day, model, n, p, c in rows
+        UsageRow(
+            day=day,
+            model=model,
+            requests=n,
+            prompt_tokens=int(p),
+            completion_tokens=int(c),
+            cached_tokens=int(k),
+        )
+        for day, model, n, p, c, k in rows
     ]
     return UsageSummary(
         since=since,
@@ -67,4 +76,5 @@ def summarize(session: Session, tenant_id: uuid.UUID, days: int) -> UsageSummary
         requests=sum(r.requests for r in out),
         prompt_tokens=sum(r.prompt_tokens for r in out),
         completion_tokens=sum(r.completion_tokens for r in out),
+        cached_tokens=sum(r.cached_tokens for r in out),
     )

@@ -37,6 +37,7 @@ class UserView:
     tenant_name: str | None
     tenant_disabled: bool
     disabled: bool
+    tenant_fair_share_weight: float = 1.0  # the playground's requests carry it like a key's
 
     @property
     def is_admin(self) -> bool:
@@ -56,6 +57,7 @@ def to_view(user: User) -> UserView:
         tenant_name=user.tenant.name if user.tenant else None,
         tenant_disabled=bool(user.tenant and user.tenant.disabled),
         disabled=user.disabled,
+        tenant_fair_share_weight=user.tenant.fair_share_weight if user.tenant else 1.0,
     )
 
 

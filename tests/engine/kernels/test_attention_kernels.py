@@ -9,13 +9,12 @@ handling against the float32 reference of the same rounded inputs.
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 
 from loraplex.engine.kernels import paged_decode_attention as decode_module
 from loraplex.engine.kernels import reference
+from loraplex.engine.kernels.gpu import H100, targeting
 from loraplex.engine.kernels.paged_decode_attention import choose_partition_tokens, paged_decode_attention
 from loraplex.engine.kernels.prefill_attention import prefill_attention, prefill_attention_varlen
 from loraplex.engine.kernels.write_kv import write_kv
@@ -168,22 +167,25 @@ def test_decode_reads_q_through_its_strides(device):
     assert_matches(out, expected, torch.float32)
 
 
-def test_choose_partition_tokens_splits_only_an_underfilled_gpu(monkeypatch):
-    monkeypatch.setattr(
-        torch.cuda, "get_device_properties", lambda device: SimpleNamespace(multi_processor_count=132)
-    )
-    cuda = torch.device("cuda")
-    # Enough (sequence, kv head) programs to fill the GPU already: no split.
-    filling_batch = decode_module.PROGRAMS_PER_SM * 132 // 8
-    assert choose_partition_tokens(filling_batch, 8, 4096, cuda) == 4096
-    assert choose_partition_tokens(filling_batch - 1, 8, 4096, cuda) < 4096
-    # One sequence, 8 kv heads: split 4096 tokens into whole tiles, at least MIN_PARTITION_TOKENS each.
-    tokens = choose_partition_tokens(1, 8, 4096, cuda)
-    assert tokens < 4096 and tokens % decode_module.BLOCK_N == 0
-    assert tokens >= decode_module.MIN_PARTITION_TOKENS
-    # Too short to be worth splitting.
-    assert choose_partition_tokens(1, 8, 300, cuda) == 300
+def test_choose_partition_tokens_splits_only_an_underfilled_gpu():
+    gpu = torch.device("meta")  # answers as the GPU `targeting` names (engine/kernels/gpu.py)
+    with targeting(H100):
+        # Enough (sequence, kv head) programs to fill the GPU already: no split.
+        filling_batch = decode_module.PROGRAMS_PER_SM * H100.sms // 8
+        assert choose_partition_tokens(filling_batch, 8, 4096, gpu) == 4096
+        assert choose_partition_tokens(filling_batch - 1, 8, 4096, gpu) < 4096
+        # More programs than SMs (20 x 8 = 160): partitions of at least MIN_PARTITION_TOKENS.
+        tokens = choose_partition_tokens(20, 8, 4096, gpu)
+        assert tokens < 4096 and tokens % decode_module.BLOCK_N == 0
+        assert tokens >= decode_module.MIN_PARTITION_TOKENS
+        assert choose_partition_tokens(20, 8, 300, gpu) == 300  # too short to be worth splitting
+        # One sequence, 8 kv heads on 132 SMs: even a context below 512 tokens is split (320 tokens
+        # into two partitions of whole tiles), but never below MIN_PARTITION_TOKENS_STARVED.
+        assert choose_partition_tokens(1, 8, 320, gpu) == 192
+        assert choose_partition_tokens(1, 8, 4096, gpu) >= decode_module.MIN_PARTITION_TOKENS_STARVED
+        assert choose_partition_tokens(1, 8, 200, gpu) == 200
     assert choose_partition_tokens(1, 8, 4096, torch.device("cpu")) == 4096
+    assert choose_partition_tokens(1, 8, 4096, gpu) == 4096  # a meta device outside `targeting`
 
 
 @pytest.mark.slow

@@ -7,6 +7,7 @@ so token counts stay small; on a CUDA machine the same cases run natively.
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass
 
@@ -36,6 +37,7 @@ class Batch:
     slot_rank: torch.Tensor  # [S] int32
     in_width: int
     out_width: int
+    col_align: int  # what every b_col and b_width is a multiple of (the expand kernel relies on it)
 
 
 def make_batch(
@@ -89,6 +91,7 @@ def make_batch(
         slot_rank=as_int(slot_rank),
         in_width=in_width,
         out_width=sum(widths),
+        col_align=math.gcd(16, *widths),
     )
 
 
@@ -157,7 +160,7 @@ def run_tokens(
     assert_near(shrunk, expected, dtype)
     got, want = y.clone(), y.clone()
     tables = (b.b_starts, b.b_cols, b.b_widths, b.slot_start, b.slot_rank)
-    lora_expand.lora_expand_tokens(got, expected, b.pool_rows, *tables, token_slot)
+    lora_expand.lora_expand_tokens(got, expected, b.pool_rows, *tables, token_slot, col_align=b.col_align)
     reference.lora_expand_tokens(want, expected, b.pool_rows, *tables, token_slot)
     assert_near(got, want, dtype)
     untouched = token_slot.cpu() < 0
@@ -181,7 +184,7 @@ def run_segments(
     assert_near(shrunk, expected, dtype)
     got, want = y.clone(), y.clone()
     b_tables = (b.b_starts, b.b_cols, b.b_widths, b.slot_start, b.slot_rank, seg_starts, seg_slot)
-    lora_expand.lora_expand_segments(got, expected, b.pool_rows, *b_tables)
+    lora_expand.lora_expand_segments(got, expected, b.pool_rows, *b_tables, col_align=b.col_align)
     reference.lora_expand_segments(want, expected, b.pool_rows, *b_tables)
     assert_near(got, want, dtype)
     token_slot = reference.segment_token_slots(seg_starts, seg_slot, x.shape[0]).cpu()
@@ -302,6 +305,28 @@ def test_no_lora_tokens_leave_y_bit_for_bit(slot: int, dtype: torch.dtype, devic
         assert not shrunk.any()
         expand.lora_expand_segments(y, shrunk, batch.pool_rows, *b_tables, seg_starts, seg_slot)
         assert torch.equal(y.view(bits.dtype), bits)
+
+
+def test_unsplit_shrink_writes_every_element(monkeypatch: pytest.MonkeyPatch, device: torch.device) -> None:
+    """With SPLIT_K == 1 the output is not zero-filled first: the kernels must write zeros themselves
+    for tokens without an adapter and rows past an adapter's rank (NaN stands for stale memory)."""
+
+    def stale(num_tokens: int, rank: int, split: int, dev: torch.device) -> torch.Tensor:
+        assert split == 1
+        return torch.full((num_tokens, rank), float("nan"), dtype=torch.float32, device=dev)
+
+    monkeypatch.setattr(lora_shrink, "_output", stale)
+    batch = make_batch(4, *QKV_576, torch.float32, device, seed=31)
+    x, _ = inputs(batch, 9, torch.float32, device, seed=32)
+    a_tables = (batch.a_starts, batch.slot_start, batch.slot_rank)
+    token_slot = torch.tensor([-1, 0, 1, -1, 2, 3, 0, -1, 1], dtype=torch.int32, device=device)
+    got = lora_shrink.lora_shrink_tokens(x, batch.pool_rows, *a_tables, token_slot, split_k=1)
+    assert_near(got, reference.lora_shrink_tokens(x, batch.pool_rows, *a_tables, token_slot), torch.float32)
+    seg_starts = torch.tensor([0, 2, 2, 5, 9], dtype=torch.int32, device=device)
+    seg_slot = torch.tensor([1, 0, -1, 3], dtype=torch.int32, device=device)
+    tables = (*a_tables, seg_starts, seg_slot)
+    got = lora_shrink.lora_shrink_segments(x, batch.pool_rows, *tables, split_k=1)
+    assert_near(got, reference.lora_shrink_segments(x, batch.pool_rows, *tables), torch.float32)
 
 
 def test_strided_views(device: torch.device) -> None:

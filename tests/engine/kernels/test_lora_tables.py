@@ -1,9 +1,13 @@
 """The kernels' index tables built from real PEFT adapters packed into pages by layout.py: they must
-describe exactly the matrices the row-index gathers read, and drive the ops to the same deltas."""
+describe exactly the matrices the row-index gathers read, and drive the ops to the same deltas. The
+persistent tables (metadata written once per load, a column range per resident adapter) must give a
+step exactly what the former per-step concatenation built (kept in bench/lora_tables.py as the
+baseline and the oracle)."""
 
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,9 +16,10 @@ import torch
 
 from loraplex.adapters import inspect_adapter
 from loraplex.adapters.weights import load_lora_weights
+from loraplex.bench.lora_tables import old_group_tables  # the former per-step builder: the oracle
 from loraplex.engine.kernels import lora_expand, lora_shrink, reference
 from loraplex.engine.lora.layout import GROUPS, group_width, pack_adapter, physical_rows
-from loraplex.engine.lora.tables import LoraTables, group_tables, step_tables
+from loraplex.engine.lora.tables import LoraTables, ResidentTables, adapter_meta
 
 from ...adapters.conftest import TINY_SHAPE, VARIANTS, make_peft_adapter
 
@@ -62,6 +67,57 @@ def pool_and_adapters(tmp_path_factory: pytest.TempPathFactory) -> PoolAndAdapte
     return pool_rows, placed
 
 
+def old_step_tables(adapters: Sequence[Placed]) -> dict[str, LoraTables]:
+    tables = {group: old_group_tables(adapters, group, TINY_SHAPE, HEAD_DIM) for group in GROUPS}
+    return {group: table for group, table in tables.items() if table is not None}
+
+
+def resident(placed: dict[str, Placed], names: Sequence[str], capacity: int = 4) -> ResidentTables:
+    """Persistent tables holding `names` (a small capacity: the tables grow while loading)."""
+    tables = ResidentTables(TINY_SHAPE.num_layers, torch.device("cpu"), capacity)
+    for name in names:
+        tables.add(name, adapter_meta(placed[name], TINY_SHAPE, HEAD_DIM))
+    return tables
+
+
+def compacted(table: LoraTables) -> LoraTables:
+    """The step's columns only, in slot order: what the old builder laid out."""
+    columns = torch.cat(
+        [
+            torch.arange(s, s + r)
+            for s, r in zip(table.slot_start.tolist(), table.slot_rank.tolist(), strict=True)
+        ]
+    )
+    ranks = table.slot_rank.tolist()
+    starts = [sum(ranks[:u]) for u in range(len(ranks))]
+    return LoraTables(
+        table.a_starts[:, columns],
+        table.b_starts[:, columns],
+        table.b_cols[:, columns],
+        table.b_widths[:, columns],
+        torch.tensor(starts, dtype=torch.int32),
+        table.slot_rank,
+        table.max_rank,
+    )
+
+
+def assert_same_tables(got: dict[str, LoraTables], want: dict[str, LoraTables]) -> None:
+    assert set(got) == set(want)
+    for group, table in got.items():
+        flat, old = compacted(table), want[group]
+        for field in ("a_starts", "b_starts", "b_cols", "b_widths", "slot_start", "slot_rank"):
+            assert torch.equal(getattr(flat, field), getattr(old, field)), (group, field)
+        assert table.max_rank == old.max_rank, group
+        # The kernels index the persistent tables directly: the slot ranges must hold the same rows.
+        for u, (start, rank) in enumerate(
+            zip(table.slot_start.tolist(), table.slot_rank.tolist(), strict=True)
+        ):
+            want_start = old.slot_start[u]
+            assert torch.equal(
+                table.a_starts[:, start : start + rank], old.a_starts[:, want_start : want_start + rank]
+            )
+
+
 def dense_from_tables(pool_rows: torch.Tensor, tables: LoraTables, in_width: int, out_width: int):
     """Per layer, the stacked A [L, C, in] and B [L, C, out] the tables describe, read from the flat pool."""
     flat = pool_rows.flatten()
@@ -85,7 +141,10 @@ ORDERS = [
 def test_tables_describe_the_gathered_matrices(pool_and_adapters: PoolAndAdapters, order: list[str]) -> None:
     pool_rows, placed = pool_and_adapters
     adapters = [placed[name] for name in order]
-    tables = step_tables(adapters, TINY_SHAPE, HEAD_DIM)
+    loaded = sorted(set(order), key=lambda n: hash(n) % 7)  # loaded in another order than the slots
+    persistent = resident(placed, loaded).step_tables(order)
+    assert_same_tables(persistent, old_step_tables(adapters))
+    tables = {group: compacted(table) for group, table in persistent.items()}
     assert set(tables) == {g for g in GROUPS if any(g in a.a_rows for a in adapters)}
     for group, table in tables.items():
         in_width, out_width = group_width(TINY_SHAPE, group)
@@ -108,15 +167,16 @@ def test_tables_describe_the_gathered_matrices(pool_and_adapters: PoolAndAdapter
 
 def test_group_no_adapter_adapts_is_none(pool_and_adapters: PoolAndAdapters) -> None:
     _, placed = pool_and_adapters
-    assert group_tables([placed["regex"]], "o", TINY_SHAPE, HEAD_DIM) is None  # regex adapts up and k
-    assert step_tables([], TINY_SHAPE, HEAD_DIM) == {}
+    assert "o" not in resident(placed, ["regex"]).step_tables(["regex"])  # regex adapts up and k
+    assert "o" not in resident(placed, ["regex", "qv-r8"]).step_tables(["regex"])  # qv-r8's is not the step's
+    assert resident(placed, list(VARIANTS)).step_tables([]) == {}
 
 
 def test_layer_padding_rows(pool_and_adapters: PoolAndAdapters) -> None:
     """An adapter with more ranks in one layer than another pads the other: width 0 there."""
     _, placed = pool_and_adapters
-    table = group_tables([placed["layer1-only"]], "qkv", TINY_SHAPE, HEAD_DIM)
-    assert table is not None  # k at rank 2, in layer 1 only
+    table = compacted(resident(placed, ["layer1-only"]).step_tables(["layer1-only"])["qkv"])
+    # k at rank 2, in layer 1 only
     assert table.b_widths.tolist() == [[0, 0], [32, 32]]
     assert table.b_cols.tolist() == [[0, 0], [64, 64]]  # k's columns follow q's 64
 
@@ -134,7 +194,12 @@ def test_ops_on_tables_match_dense_stacks(
     shrink = lora_shrink.lora_shrink_tokens if form == "kernel" else reference.lora_shrink_tokens
     expand = lora_expand.lora_expand_tokens if form == "kernel" else reference.lora_expand_tokens
     generator = torch.Generator().manual_seed(1)
-    for group, table in step_tables(adapters, TINY_SHAPE, HEAD_DIM).items():
+    # The kernels read the persistent tables themselves: other adapters' columns and freed holes around.
+    tables = ResidentTables(TINY_SHAPE.num_layers, torch.device("cpu"), capacity=4)
+    for name, like in (("spare", "regex"), *((n, n) for n in order), ("spare2", "qv-r8")):
+        tables.add(name, adapter_meta(placed[like], TINY_SHAPE, HEAD_DIM))
+    tables.remove("spare")
+    for group, table in tables.step_tables(order).items():
         in_width, out_width = group_width(TINY_SHAPE, group)
         present = [(u, a) for u, a in enumerate(adapters) if group in a.a_rows]
         a_dense = reference.gather_rows(pool_rows, torch.cat([a.a_rows[group] for _, a in present], dim=1))
@@ -154,3 +219,49 @@ def test_ops_on_tables_match_dense_stacks(
             shrunk = shrink(x.to(device), pool, *on[:3], on[6], table.max_rank)
             expand(got, shrunk, pool, *on[3:6], on[1], on[2], on[6])
             torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-5, msg=f"{group} layer {layer}")
+
+
+def test_random_heterogeneous_sets_equal_the_old_builder(pool_and_adapters: PoolAndAdapters) -> None:
+    _, placed = pool_and_adapters
+    rng = random.Random(3)
+    names = list(VARIANTS)
+    tables = resident(placed, names)
+    for _ in range(30):
+        order = [rng.choice(names) for _ in range(rng.randint(1, 12))]  # repeats: one adapter, many slots
+        assert_same_tables(tables.step_tables(order), old_step_tables([placed[n] for n in order]))
+
+
+def test_residency_churn_keeps_the_tables_right(pool_and_adapters: PoolAndAdapters) -> None:
+    """Loads, evictions and reloads in random order (ranges freed, reused, the tables grown): every
+    step's tables stay those of the old builder, and freed columns hold nothing."""
+    _, placed = pool_and_adapters
+    rng = random.Random(4)
+    names = list(VARIANTS)
+    tables = ResidentTables(TINY_SHAPE.num_layers, torch.device("cpu"), capacity=2)
+    loaded: set[str] = set()
+    for _ in range(60):
+        name = rng.choice(names)
+        if name in loaded and rng.random() < 0.5:
+            tables.remove(name)
+            loaded.discard(name)
+        else:  # a load, or a reload of a resident adapter (its old range is replaced)
+            tables.add(name, adapter_meta(placed[name], TINY_SHAPE, HEAD_DIM))
+            loaded.add(name)
+        if loaded:
+            order = rng.sample(sorted(loaded), rng.randint(1, len(loaded)))
+            assert_same_tables(tables.step_tables(order), old_step_tables([placed[n] for n in order]))
+        for table in tables.groups.values():
+            assert set(table.ranges) <= loaded
+            owned = torch.zeros(table.capacity, dtype=torch.bool)
+            for start, size in table.ranges.values():
+                assert not owned[start : start + size].any()  # no column owned twice
+                owned[start : start + size] = True
+            assert sum(size for _, size in table.free) == int((~owned).sum())  # none leaked
+            assert not table.b_widths[:, ~owned].any() and not table.a_starts[:, ~owned].any()
+
+
+def test_metadata_of_the_wrong_model_is_refused(pool_and_adapters: PoolAndAdapters) -> None:
+    _, placed = pool_and_adapters
+    tables = ResidentTables(TINY_SHAPE.num_layers + 1, torch.device("cpu"))
+    with pytest.raises(ValueError, match="layers"):
+        tables.add("regex", adapter_meta(placed["regex"], TINY_SHAPE, HEAD_DIM))

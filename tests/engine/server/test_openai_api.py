@@ -73,7 +73,14 @@ def test_streamed_chat_equals_the_whole_answer(server: Server, model: str) -> No
     finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     assert finals == [whole.choices[0].finish_reason]
     # The usage chunk comes last, with no choices; every other chunk says usage: null.
-    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+    streamed = chunks[-1].usage
+    assert chunks[-1].choices == [] and streamed is not None and whole.usage is not None
+    assert streamed.model_dump(exclude={"prompt_tokens_details"}) == whole.usage.model_dump(
+        exclude={"prompt_tokens_details"}
+    )
+    # The same prompt again: its full pages come from the prefix cache, and usage says so.
+    assert streamed.prompt_tokens_details is not None
+    assert streamed.prompt_tokens_details.cached_tokens == (whole.usage.prompt_tokens - 1) // 16 * 16 > 0
     assert all(c.usage is None for c in chunks[:-1])
     assert len({c.id for c in chunks}) == 1
 

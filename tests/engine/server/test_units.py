@@ -168,7 +168,9 @@ def test_stream_chunks_follow_openai() -> None:
         "prompt_tokens": 3,
         "completion_tokens": 2,
         "total_tokens": 5,
+        "prompt_tokens_details": {"cached_tokens": 0},
     }
+    assert protocol.usage(40, 2, 32)["prompt_tokens_details"] == {"cached_tokens": 32}
     assert len({c["id"] for c in (role, text, final, usage)}) == 1
     assert protocol.sse(text).startswith(b"data: {") and protocol.sse(text).endswith(b"}\n\n")
     plain = protocol.ChunkMaker(chat=False, model="m", include_usage=False).text("x")

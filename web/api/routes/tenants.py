@@ -23,7 +23,7 @@ router = APIRouter(prefix="/admin/v1/tenants", tags=["admin"])
 
 @router.post("", status_code=status.HTTP_201_CREATED)
 def create_tenant(body: TenantCreate, session: SessionDep, _: AdminDep) -> TenantPublic:
-    return tenants.create_tenant(session, body.name)
+    return tenants.create_tenant(session, body.name, body.fair_share_weight)
 
 
 @router.get("")

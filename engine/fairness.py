@@ -1,0 +1,127 @@
+"""Tenant fairness: the Virtual Token Counter (VTC) of Sheng et al., "Fairness in Serving Large Language
+Models" (OSDI 2024), per tenant.
+
+Each tenant has a counter of the service it was given: `w_p` per prompt token, charged when its request
+is admitted (the paper's choice: the prompt is committed then), plus `w_q` per output token, charged as
+each is appended; both divided by the tenant's weight, so a tenant of weight 2 gets twice the tokens for
+the same counter. Admission takes the earliest waiting request of the tenant with the smallest counter.
+A tenant whose queue was empty has its counter lifted, when a request of it arrives, to the smallest
+counter of the tenants with requests queued (or to the counter of the last tenant whose queue emptied,
+when none are queued): idle time is not banked as credit. Requests without a tenant are one anonymous
+tenant (key None).
+
+Ties go to the tenant with fewer requests running, then to the earliest request: a tenant that just
+became active (lifted to the backlogged tenant's counter, nothing running) goes first.
+
+The bound (the paper's Theorem 4.4 for this cost function): for two tenants f and g of equal weight that
+are backlogged (have requests waiting) throughout [t1, t2),
+    |W_f(t1, t2) - W_g(t1, t2)| <= 2 * U,   U = max(w_p * L_input, w_q * M),
+where W is the service charged in the window, L_input the longest prompt and M the most tokens the running
+batch can hold (the pool's KV capacity in tokens). tests/engine/test_fairness.py checks it.
+
+What the paper leaves open, decided here: a preempted request is not charged again when it is recomputed
+(the engine chose to drop its cache, the tenant did not), and prompt tokens served from the prefix cache
+are charged like computed ones (the tenant's share is of tokens, not of compute). Bookkeeping only: no
+torch (tests/engine/test_torch_free.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from .request import Request
+
+Tenant = str | None  # None: the anonymous tenant
+
+
+@dataclass
+class _TenantState:
+    counter: float = 0.0
+    waiting: int = 0  # requests queued
+    running: int = 0  # requests admitted and not finished
+
+
+@dataclass
+class VirtualTokenCounter:
+    """The counters and per-tenant queue sizes; the scheduler tells it what happens to requests."""
+
+    prompt_weight: float = 1.0
+    output_weight: float = 2.0
+    tenants: dict[Tenant, _TenantState] = field(default_factory=dict)
+    _last_emptied: float = 0.0  # the counter of the last tenant whose queue became empty
+    _charged: set[str] = field(default_factory=set)  # requests whose prompt was charged (once)
+
+    def __post_init__(self) -> None:
+        if not (self.prompt_weight >= 0 and self.output_weight >= 0):
+            raise ValueError(
+                f"token weights must be 0 or more, got prompt {self.prompt_weight}, "
+                f"output {self.output_weight}"
+            )
+
+    def counter(self, tenant: Tenant) -> float:
+        state = self.tenants.get(tenant)
+        return state.counter if state else 0.0
+
+    def _state(self, tenant: Tenant) -> _TenantState:
+        state = self.tenants.get(tenant)
+        if state is None:
+            state = self.tenants[tenant] = _TenantState()
+        return state
+
+    def queued(self, request: Request) -> None:
+        """A request joins the queue (new, or back after preemption)."""
+        state = self._state(request.tenant)
+        if state.waiting == 0:  # becomes active: lift, so idle time is no credit
+            backlogged = [s.counter for t, s in self.tenants.items() if s.waiting and t != request.tenant]
+            floor = min(backlogged) if backlogged else self._last_emptied
+            state.counter = max(state.counter, floor)
+        state.waiting += 1
+
+    def _left_queue(self, state: _TenantState) -> None:
+        state.waiting -= 1
+        if state.waiting == 0:
+            self._last_emptied = state.counter
+
+    def admitted(self, request: Request) -> None:
+        """A waiting request joins the running batch; its prompt is charged the first time."""
+        state = self._state(request.tenant)
+        self._left_queue(state)
+        state.running += 1
+        if request.request_id not in self._charged:
+            self._charged.add(request.request_id)
+            state.counter += self.prompt_weight * len(request.prompt_token_ids) / request.tenant_weight
+
+    def preempted(self, request: Request) -> None:
+        """A running request goes back to the queue (its recomputation is not charged)."""
+        self._state(request.tenant).running -= 1
+        self.queued(request)
+
+    def generated(self, request: Request, num_tokens: int = 1) -> None:
+        self._state(request.tenant).counter += self.output_weight * num_tokens / request.tenant_weight
+
+    def finished(self, request: Request, was_running: bool) -> None:
+        """The request ended (stopped, aborted or failed), from the queue or the running batch."""
+        state = self._state(request.tenant)
+        if was_running:
+            state.running -= 1
+        else:
+            self._left_queue(state)
+        self._charged.discard(request.request_id)
+
+    def pick(self, waiting: Iterable[Request], skip: set[Tenant]) -> Request | None:
+        """The earliest waiting request of the tenant with the smallest counter, skipping `skip`'s
+        tenants; ties go to the tenant with fewer requests running, then to the earliest request."""
+        best: Request | None = None
+        best_key: tuple[float, int] | None = None
+        seen: set[Tenant] = set()
+        for request in waiting:  # queue order: a tenant's first request here is its earliest
+            tenant = request.tenant
+            if tenant in seen or tenant in skip:
+                continue
+            seen.add(tenant)
+            state = self._state(tenant)
+            key = (state.counter, state.running)
+            if best_key is None or key < best_key:
+                best, best_key = request, key
+        return best
