@@ -19,6 +19,15 @@ are backlogged (have requests waiting) throughout [t1, t2),
 where W is the service charged in the window, L_input the longest prompt and M the most tokens the running
 batch can hold (the pool's KV capacity in tokens). tests/engine/test_fairness.py checks it.
 
+State stays bounded: a tenant with nothing queued or running is forgotten once its counter is at or
+below the floor a returning tenant is lifted to (the smallest counter of the backlogged tenants, or the
+last emptied one's), because from then on the lift alone sets its counter: the floor never decreases (a
+backlogged tenant's counter is at least the floor, counters only grow, and a tenant joins at or above
+it), so forgetting it changes no decision (tests/engine/test_fairness.py checks this against an
+unpruned twin). Idle tenants that were served more than the floor are kept until the floor passes them:
+their lead is not forgiven by leaving. The sweep runs when the idle set has doubled since the last one,
+so its cost per request is constant.
+
 What the paper leaves open, decided here: a preempted request is not charged again when it is recomputed
 (the engine chose to drop its cache, the tenant did not), and prompt tokens served from the prefix cache
 are charged like computed ones (the tenant's share is of tokens, not of compute). Bookkeeping only: no
@@ -48,11 +57,16 @@ class VirtualTokenCounter:
 
     prompt_weight: float = 1.0
     output_weight: float = 2.0
+    prune: bool = True  # forget idle tenants that the lift would reset anyway (off only to test that)
     tenants: dict[Tenant, _TenantState] = field(default_factory=dict)
+    sweep_minimum: int = 64  # idle tenants kept before the first sweep (tests set 1 to sweep always)
+    _idle: set[Tenant] = field(default_factory=set)  # tenants with nothing queued or running
+    _sweep_at: int = 0  # sweep the idle tenants when there are this many
     _last_emptied: float = 0.0  # the counter of the last tenant whose queue became empty
     _charged: set[str] = field(default_factory=set)  # requests whose prompt was charged (once)
 
     def __post_init__(self) -> None:
+        self._sweep_at = self.sweep_minimum
         if not (self.prompt_weight >= 0 and self.output_weight >= 0):
             raise ValueError(
                 f"token weights must be 0 or more, got prompt {self.prompt_weight}, "
@@ -60,6 +74,7 @@ class VirtualTokenCounter:
             )
 
     def counter(self, tenant: Tenant) -> float:
+        """The tenant's counter; 0 for one never seen or forgotten while idle."""
         state = self.tenants.get(tenant)
         return state.counter if state else 0.0
 
@@ -73,10 +88,33 @@ class VirtualTokenCounter:
         """A request joins the queue (new, or back after preemption)."""
         state = self._state(request.tenant)
         if state.waiting == 0:  # becomes active: lift, so idle time is no credit
-            backlogged = [s.counter for t, s in self.tenants.items() if s.waiting and t != request.tenant]
-            floor = min(backlogged) if backlogged else self._last_emptied
-            state.counter = max(state.counter, floor)
+            state.counter = max(state.counter, self._floor(skip=frozenset([request.tenant])))
         state.waiting += 1
+        self._idle.discard(request.tenant)
+
+    def _floor(self, skip: frozenset[Tenant] = frozenset()) -> float:
+        """What a tenant becoming active is lifted to: the smallest counter of the backlogged tenants
+        not in `skip`, or the counter of the last tenant whose queue emptied when none are."""
+        backlogged = [s.counter for t, s in self.tenants.items() if s.waiting and t not in skip]
+        return min(backlogged) if backlogged else self._last_emptied
+
+    def _became_idle(self, tenant: Tenant) -> None:
+        """`tenant` has nothing queued or running: forget the idle tenants the lift would reset anyway,
+        once the idle set has doubled since the last sweep (amortized constant cost per request)."""
+        if not self.prune:
+            return
+        self._idle.add(tenant)
+        if len(self._idle) < self._sweep_at:
+            return
+        floor = self._floor()
+        for idle in [t for t in self._idle if self.tenants[t].counter <= floor]:
+            del self.tenants[idle]
+            self._idle.discard(idle)
+        self._sweep_at = max(self.sweep_minimum, 2 * len(self._idle))
+
+    def _check_idle(self, tenant: Tenant, state: _TenantState) -> None:
+        if state.waiting == 0 and state.running == 0:
+            self._became_idle(tenant)
 
     def _left_queue(self, state: _TenantState) -> None:
         state.waiting -= 1
@@ -108,6 +146,7 @@ class VirtualTokenCounter:
         else:
             self._left_queue(state)
         self._charged.discard(request.request_id)
+        self._check_idle(request.tenant, state)
 
     def pick(self, waiting: Iterable[Request], skip: set[Tenant]) -> Request | None:
         """The earliest waiting request of the tenant with the smallest counter, skipping `skip`'s

@@ -260,3 +260,74 @@ def test_queue_counts_follow_aborts_from_the_queue_and_the_batch() -> None:
     assert (state.waiting, state.running) == (0, 1)
     scheduler.finish(first, "abort")
     assert (state.waiting, state.running) == (0, 0)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    arrivals=st.lists(
+        st.tuples(st.integers(0, 9), st.integers(1, 40), st.integers(1, 12), st.integers(0, 3)),
+        min_size=1,
+        max_size=40,
+    ),
+    seqs=st.integers(1, 4),
+    pages=st.integers(12, 40),
+    abort_every=st.integers(0, 7),
+)
+def test_forgetting_idle_tenants_changes_no_decision(
+    arrivals: list[tuple[int, int, int, int]], seqs: int, pages: int, abort_every: int
+) -> None:
+    """Two schedulers see the same requests (ten tenants coming and going, aborts, preemption in small
+    pools); one forgets idle tenants at every chance, the other never: every step's plan, every
+    admission and every active tenant's counter are the same."""
+    page_size = 4
+    pages = max(pages, -(-max(p + m for _, p, m, _ in arrivals) // page_size))
+    twins = []
+    for prune in (True, False):
+        vtc = VirtualTokenCounter(W_P, W_Q, prune=prune, sweep_minimum=1)
+        twins.append((Scheduler(PagePool(pages), page_size, seqs, 24, fairness=vtc), vtc))
+    pending = list(enumerate(arrivals))
+    step = 0
+    while pending or any(s.has_unfinished() for s, _ in twins):
+        # Requests arrive in bursts: the gap (0-3 steps) before each says when.
+        while pending and pending[0][1][3] <= 0:
+            index, (tenant, prompt, tokens, _) = pending.pop(0)
+            for scheduler, _ in twins:
+                scheduler.add(make(f"t{tenant}", index, prompt, tokens))
+        if pending:
+            index, (tenant, prompt, tokens, gap) = pending[0]
+            pending[0] = (index, (tenant, prompt, tokens, gap - 1))
+        decisions = []
+        for scheduler, _ in twins:
+            plan = scheduler.schedule()
+            chunks = [(c.request.request_id, c.num_tokens) for c in plan.chunks]
+            decisions.append((chunks, [r.request_id for r in plan.preempted]))
+            check_pages(scheduler)
+            scheduler.postprocess(plan, [TOKEN] * len(plan.sampling))
+            if abort_every and step % abort_every == abort_every - 1 and scheduler.running:
+                scheduler.finish(scheduler.running[-1], "abort")
+        assert decisions[0] == decisions[1], f"step {step}"
+        pruned, full = twins[0][1], twins[1][1]
+        for tenant, state in pruned.tenants.items():
+            assert state.counter == full.tenants[tenant].counter
+        active = {t for t, s in full.tenants.items() if s.waiting or s.running}
+        assert active <= set(pruned.tenants)
+        step += 1
+        assert step < 2000, "no progress"
+
+
+def test_many_short_lived_tenants_leave_bounded_state() -> None:
+    """A replica that sees 5,000 tenants, each sending one request while one tenant stays busy, keeps the
+    counters of a few dozen, not of every tenant it ever served."""
+    scheduler = fair_scheduler(pages=256, page_size=4, seqs=4, budget=64)
+    vtc = scheduler.fairness
+    assert vtc is not None
+    run = Run(scheduler)
+    for i in range(5000):
+        scheduler.add(make(f"once{i}", i, 8, 2))
+        if not any(r.tenant == "busy" for r in (*scheduler.waiting, *scheduler.running)):
+            scheduler.add(make("busy", i, 32, 8))
+        run.step()
+    while scheduler.has_unfinished():
+        run.step()
+    assert len(vtc.tenants) <= 2 * vtc.sweep_minimum + 2, len(vtc.tenants)
+    assert len(vtc._idle) <= 2 * vtc.sweep_minimum + 2
