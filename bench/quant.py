@@ -19,16 +19,31 @@ its row is without adapters; when llama-cpp-python is missing the rows say so in
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import platform
 import random
+import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
+DEMO_ADAPTER_DIR = Path(__file__).resolve().parents[1] / "fixtures" / "adapters" / "demo-uppercase"
+# The prompts of tests/engine/test_demo_adapter_engine.py: replies with the demo adapter are capitals.
+DEMO_PROMPTS = (
+    "What do owls eat?",
+    "Describe a quiet morning in a village.",
+    "How does a bicycle stay upright?",
+    "Name two uses for salt.",
+    "Why do leaves change colour in autumn?",
+    "Give me advice for a first job interview.",
+)
+DEMO_NEW_TOKENS = 32
 SETTINGS = (("float32", "none"), ("bfloat16", "none"), ("bfloat16", "int8"), ("bfloat16", "int4"))
 
 
@@ -100,12 +115,47 @@ def _quiet_log(llama_cpp: Any) -> Any:
     return _quiet_callbacks[0]
 
 
-def llama_cpp_figures(path: str, args: argparse.Namespace, prompts: list[list[int]]) -> list[Figure] | str:
-    """llama.cpp on the same file: one stream, then `streams` sequences per llama_decode batch."""
+@dataclass
+class LlamaCppLoras:
+    """GGUF adapters for llama.cpp: `timed`, the engine's synthetic adapter a0 (same weights, rank 8), for
+    the LoRA rows; `demo`, the demo adapter, whose greedy replies must be >= 90% capitals before any
+    llama.cpp LoRA figure is reported (a wrong conversion would otherwise give a fast, meaningless row)."""
+
+    timed: Path
+    demo: Path
+    demo_prompts: list[list[int]]
+    decode: Callable[[list[int]], str]
+
+
+def uppercase_ratio(texts: list[str]) -> float:
+    letters = [c for t in texts for c in t if c.isalpha() and c.lower() != c.upper()]
+    return sum(c.isupper() for c in letters) / max(len(letters), 1)
+
+
+def write_llama_cpp_loras(path: str, engine: Any, directory: Path) -> LlamaCppLoras:
+    from loraplex.engine.lora.synthetic import SyntheticAdapter
+
+    from .gguf_lora import BaseGGUF, open_peft, write_lora_gguf
+
+    base = BaseGGUF(Path(path))
+    timed = write_lora_gguf(SyntheticAdapter(base.shape, seed=1, rank=8), base, directory / "a0.gguf")
+    demo = write_lora_gguf(open_peft(DEMO_ADAPTER_DIR, base), base, directory / "demo-uppercase.gguf")
+    tokenizer = engine.tokenizer
+    if tokenizer is None:
+        raise RuntimeError("the engine has no tokenizer: the demo adapter check needs one")
+    prompts = [tokenizer.encode_chat([{"role": "user", "content": p}]) for p in DEMO_PROMPTS]
+    return LlamaCppLoras(timed, demo, prompts, tokenizer.decode)
+
+
+def llama_cpp_figures(
+    path: str, args: argparse.Namespace, prompts: list[list[int]], loras: LlamaCppLoras | None
+) -> tuple[list[Figure], list[str]] | str:
+    """llama.cpp on the same file: one stream, then `streams` sequences per llama_decode batch; without
+    an adapter, then (with `loras`) with one LoRA on the context. Returns the figures and notes."""
     try:
         import llama_cpp
     except ImportError:
-        return "llama-cpp-python is not installed (make bench-deps)"
+        return "llama-cpp-python is not installed: build it with `make bench-deps` (docs/benchmarks.md)"
 
     threads = torch.get_num_threads()
     streams = args.streams
@@ -116,71 +166,119 @@ def llama_cpp_figures(path: str, args: argparse.Namespace, prompts: list[list[in
     model = llama_cpp.llama_model_load_from_file(path.encode(), llama_cpp.llama_model_default_params())
     if not model:
         return f"llama.cpp could not load {path}"
+    longest = max([args.prompt_len, *(len(p) for p in loras.demo_prompts)] if loras else [args.prompt_len])
+    sequences = max(streams, len(loras.demo_prompts) if loras else 1)
     params = llama_cpp.llama_context_default_params()
-    params.n_ctx = streams * (args.prompt_len + args.new_tokens + 8)
-    params.n_batch = params.n_ubatch = max(512, streams * args.prompt_len)
-    params.n_seq_max = streams
+    params.n_ctx = sequences * (longest + max(args.new_tokens, DEMO_NEW_TOKENS) + 8)
+    params.n_batch = params.n_ubatch = max(512, sequences * longest)
+    params.n_seq_max = sequences
     params.n_threads = params.n_threads_batch = threads
     ctx = llama_cpp.llama_init_from_model(model, params)
     if not ctx:
         llama_cpp.llama_model_free(model)
         return "llama.cpp could not make a context"
     vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
+    run = LlamaCppRun(llama_cpp, ctx, vocab)
+    notes: list[str] = []
     try:
-        return _llama_cpp_cases(llama_cpp, ctx, vocab, args, prompts)
+        figures = _llama_cpp_cases(run, args, prompts, "")
+        if loras is None:
+            return figures, notes
+        adapters = {}
+        for label, file in (("demo", loras.demo), ("timed", loras.timed)):
+            adapters[label] = llama_cpp.llama_adapter_lora_init(model, str(file).encode())
+            if not adapters[label]:
+                return figures, [f"llama.cpp could not load the LoRA adapter {file}"]
+        # The check: the demo adapter's greedy replies in capitals (the engine's own test's prompts).
+        run.set_lora(adapters["demo"])
+        replies = [loras.decode(t) for t in run.generate(loras.demo_prompts, DEMO_NEW_TOKENS)]
+        ratio = uppercase_ratio(replies)
+        notes.append(f"llama.cpp + demo-uppercase (GGUF LoRA): {100 * ratio:.1f}% of reply letters capitals")
+        if ratio < 0.9:
+            notes.append(f"llama.cpp LoRA rows withheld, demo replies not in capitals: {replies}")
+            return figures, notes
+        run.set_lora(adapters["timed"])
+        figures += _llama_cpp_cases(run, args, prompts, " + 1 LoRA")
+        run.set_lora(None)
+        return figures, notes
     finally:
         llama_cpp.llama_free(ctx)
-        llama_cpp.llama_model_free(model)
+        llama_cpp.llama_model_free(model)  # frees its adapters too
+
+
+class LlamaCppRun:
+    """Greedy batched generation on one llama.cpp context: every sequence its own sequence id, prefill of
+    all prompts in one llama_decode batch, then one batch per step of one token per sequence."""
+
+    def __init__(self, llama_cpp: Any, ctx: Any, vocab: int):
+        self.llama_cpp, self.ctx, self.vocab = llama_cpp, ctx, vocab
+
+    def set_lora(self, adapter: Any) -> None:
+        """One LoRA on the context at scale 1 (llama.cpp multiplies by the file's alpha / rank), or none."""
+        lc = self.llama_cpp
+        if adapter is None:
+            rc = lc.llama_set_adapters_lora(self.ctx, None, 0, None)
+        else:
+            rc = lc.llama_set_adapters_lora(
+                self.ctx, (lc.llama_adapter_lora_p_ctypes * 1)(adapter), 1, (ctypes.c_float * 1)(1.0)
+            )
+        if rc != 0:
+            raise RuntimeError(f"llama_set_adapters_lora failed: {rc}")
+
+    def generate(self, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+        import numpy as np
+
+        lc, ctx = self.llama_cpp, self.ctx
+        count = len(prompts)
+        lc.llama_memory_clear(lc.llama_get_memory(ctx), True)
+        batch = lc.llama_batch_init(max(sum(len(p) for p in prompts), count), 0, count)
+        out: list[list[int]] = [[] for _ in prompts]
+        try:
+            # Prefill every sequence in one batch; logits only at each prompt's last token.
+            batch.n_tokens = 0
+            for s, prompt in enumerate(prompts):
+                for pos, tok in enumerate(prompt):
+                    i = batch.n_tokens
+                    batch.token[i], batch.pos[i], batch.n_seq_id[i] = tok, pos, 1
+                    batch.seq_id[i][0] = s
+                    batch.logits[i] = int(pos == len(prompt) - 1)
+                    batch.n_tokens += 1
+            rc = lc.llama_decode(ctx, batch)
+            if rc != 0:
+                raise RuntimeError(f"llama_decode failed in prefill: {rc}")
+            rows = [i for i in range(batch.n_tokens) if batch.logits[i]]
+            for step in range(new_tokens):
+                for s, i in enumerate(rows):  # greedy, as the engine: argmax of each sequence's logits
+                    logits = np.ctypeslib.as_array(lc.llama_get_logits_ith(ctx, i), shape=(self.vocab,))
+                    out[s].append(int(logits.argmax()))
+                if step == new_tokens - 1:
+                    break
+                batch.n_tokens = 0
+                for s in range(count):
+                    batch.token[s], batch.pos[s], batch.n_seq_id[s] = out[s][-1], len(prompts[s]) + step, 1
+                    batch.seq_id[s][0] = s
+                    batch.logits[s] = 1
+                    batch.n_tokens += 1
+                if lc.llama_decode(ctx, batch) != 0:
+                    raise RuntimeError("llama_decode failed in decode")
+                rows = list(range(count))
+        finally:
+            lc.llama_batch_free(batch)
+        return out
 
 
 def _llama_cpp_cases(
-    llama_cpp: Any, ctx: Any, vocab: int, args: argparse.Namespace, prompts: list[list[int]]
+    run: LlamaCppRun, args: argparse.Namespace, prompts: list[list[int]], suffix: str
 ) -> list[Figure]:
-    import numpy as np
-
-    streams = args.streams
     figures: list[Figure] = []
-    for case, count in (("1 stream", 1), (f"{streams} streams", streams)):
+    for case, count in (("1 stream", 1), (f"{args.streams} streams", args.streams)):
         best = float("inf")
         for attempt in range(args.repeats + 1):  # the first run warms up (weight repacking)
-            llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(ctx), True)
-            batch = llama_cpp.llama_batch_init(max(count * args.prompt_len, count), 0, count)
-            try:
-                started = time.perf_counter()
-                # Prefill every sequence in one batch; logits only at each prompt's last token.
-                batch.n_tokens = 0
-                for s in range(count):
-                    for pos, tok in enumerate(prompts[s]):
-                        i = batch.n_tokens
-                        batch.token[i], batch.pos[i], batch.n_seq_id[i] = tok, pos, 1
-                        batch.seq_id[i][0] = s
-                        batch.logits[i] = int(pos == len(prompts[s]) - 1)
-                        batch.n_tokens += 1
-                rc = llama_cpp.llama_decode(ctx, batch)
-                if rc != 0:
-                    raise RuntimeError(f"llama_decode failed in prefill: {rc}")
-                rows = [i for i in range(batch.n_tokens) if batch.logits[i]]
-                for step in range(args.new_tokens):
-                    nxt = []
-                    for i in rows:  # greedy, as the engine: argmax of each sequence's logits
-                        logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, i), shape=(vocab,))
-                        nxt.append(int(logits.argmax()))
-                    if step == args.new_tokens - 1:
-                        break
-                    batch.n_tokens = 0
-                    for s, tok in enumerate(nxt):
-                        batch.token[s], batch.pos[s], batch.n_seq_id[s] = tok, args.prompt_len + step, 1
-                        batch.seq_id[s][0] = s
-                        batch.logits[s] = 1
-                        batch.n_tokens += 1
-                    if llama_cpp.llama_decode(ctx, batch) != 0:
-                        raise RuntimeError("llama_decode failed in decode")
-                    rows = list(range(count))
-                if attempt:
-                    best = min(best, time.perf_counter() - started)
-            finally:
-                llama_cpp.llama_batch_free(batch)
-        figures.append(Figure("llama.cpp", case, count, count * args.new_tokens, best))
+            started = time.perf_counter()
+            run.generate(prompts[:count], args.new_tokens)
+            if attempt:
+                best = min(best, time.perf_counter() - started)
+        figures.append(Figure("llama.cpp", case + suffix, count, count * args.new_tokens, best))
     return figures
 
 
@@ -197,6 +295,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--model", default=None, help="engine model (default: SmolLM2-135M-Instruct GGUF)")
     parser.add_argument("--skip-llama-cpp", action="store_true")
+    parser.add_argument(
+        "--no-llama-cpp-lora", action="store_true", help="llama.cpp without its LoRA rows and demo check"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="also print one JSON line per figure")
     parser.set_defaults(run=run)
@@ -224,14 +325,18 @@ def run(args: argparse.Namespace) -> int:
         for label in engines
         for case, count, _ in cases
     ]
-    llama: list[Figure] | str = "skipped (--skip-llama-cpp)"
+    llama: tuple[list[Figure], list[str]] | str = "skipped (--skip-llama-cpp)"
     if not args.skip_llama_cpp:
         path = (
             str(args.model) if args.model and str(args.model).endswith(".gguf") else str(default_model_path())
         )
-        llama = llama_cpp_figures(path, args, prompts)
-        if isinstance(llama, list):
-            figures += llama
+        with tempfile.TemporaryDirectory(prefix="loraplex-gguf-lora-") as directory:
+            loras = None
+            if not args.no_llama_cpp_lora:
+                loras = write_llama_cpp_loras(path, next(iter(engines.values())), Path(directory))
+            llama = llama_cpp_figures(path, args, prompts, loras)
+        if not isinstance(llama, str):
+            figures += llama[0]
     print(
         f"# quant: {platform.processor() or platform.machine()}, {os.cpu_count()} cpus, torch "
         f"{torch.__version__}, {torch.get_num_threads()} threads; {args.new_tokens} new tokens, "
@@ -244,4 +349,7 @@ def run(args: argparse.Namespace) -> int:
             print(json.dumps({**asdict(f), "tokens_per_second": f.tokens_per_second}))
     if isinstance(llama, str):
         print(f"llama.cpp: {llama}")
+    else:
+        for note in llama[1]:
+            print(note)
     return 0
