@@ -118,12 +118,16 @@ def _quiet_log(llama_cpp: Any) -> Any:
 @dataclass
 class LlamaCppLoras:
     """GGUF adapters for llama.cpp: `timed`, the engine's synthetic adapter a0 (same weights, rank 8), for
-    the LoRA rows; `demo`, the demo adapter, whose greedy replies must be >= 90% capitals before any
-    llama.cpp LoRA figure is reported (a wrong conversion would otherwise give a fast, meaningless row)."""
+    the LoRA rows; `demo`, the demo adapter, checked before any llama.cpp LoRA figure is reported (a wrong
+    conversion would otherwise give a fast, meaningless row): its greedy replies must be >= 90% capitals
+    and agree with `reference`, loraplex float32's greedy tokens with the same adapter on the same prompts
+    (the mean common prefix at least half the reply; llama.cpp computes Q4_1 products on 8-bit activations,
+    so near ties may still part). Capitals alone do not see a dropped q/k permutation; agreement does."""
 
     timed: Path
     demo: Path
     demo_prompts: list[list[int]]
+    reference: list[list[int]]
     decode: Callable[[list[int]], str]
 
 
@@ -132,7 +136,19 @@ def uppercase_ratio(texts: list[str]) -> float:
     return sum(c.isupper() for c in letters) / max(len(letters), 1)
 
 
-def write_llama_cpp_loras(path: str, engine: Any, directory: Path) -> LlamaCppLoras:
+def common_prefix_fraction(ours: list[list[int]], theirs: list[list[int]]) -> float:
+    """Mean over replies of the fraction of `ours` that `theirs` repeats from the start, token for token."""
+    fractions = []
+    for a, b in zip(ours, theirs, strict=True):
+        n = 0
+        while n < min(len(a), len(b)) and a[n] == b[n]:
+            n += 1
+        fractions.append(n / max(len(a), 1))
+    return sum(fractions) / max(len(fractions), 1)
+
+
+def write_llama_cpp_loras(path: str, engines: dict[str, Any], directory: Path) -> LlamaCppLoras:
+    from loraplex.engine import EngineConfig, LLMEngine, SamplingParams
     from loraplex.engine.lora.synthetic import SyntheticAdapter
 
     from .gguf_lora import BaseGGUF, open_peft, write_lora_gguf
@@ -140,11 +156,18 @@ def write_llama_cpp_loras(path: str, engine: Any, directory: Path) -> LlamaCppLo
     base = BaseGGUF(Path(path))
     timed = write_lora_gguf(SyntheticAdapter(base.shape, seed=1, rank=8), base, directory / "a0.gguf")
     demo = write_lora_gguf(open_peft(DEMO_ADAPTER_DIR, base), base, directory / "demo-uppercase.gguf")
-    tokenizer = engine.tokenizer
+    reference = engines.get("float32 none") or LLMEngine(
+        EngineConfig(model=path, device="cpu", dtype="float32", quantization="none")
+    )
+    tokenizer = reference.tokenizer
     if tokenizer is None:
         raise RuntimeError("the engine has no tokenizer: the demo adapter check needs one")
     prompts = [tokenizer.encode_chat([{"role": "user", "content": p}]) for p in DEMO_PROMPTS]
-    return LlamaCppLoras(timed, demo, prompts, tokenizer.decode)
+    reference.register_adapter("demo-uppercase", DEMO_ADAPTER_DIR)
+    params = SamplingParams(max_tokens=DEMO_NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    outputs = reference.generate(prompts, params, ["demo-uppercase"] * len(prompts))
+    reference.unregister_adapter("demo-uppercase")
+    return LlamaCppLoras(timed, demo, prompts, [list(o.token_ids) for o in outputs], tokenizer.decode)
 
 
 def llama_cpp_figures(
@@ -191,11 +214,18 @@ def llama_cpp_figures(
                 return figures, [f"llama.cpp could not load the LoRA adapter {file}"]
         # The check: the demo adapter's greedy replies in capitals (the engine's own test's prompts).
         run.set_lora(adapters["demo"])
-        replies = [loras.decode(t) for t in run.generate(loras.demo_prompts, DEMO_NEW_TOKENS)]
+        tokens = run.generate(loras.demo_prompts, DEMO_NEW_TOKENS)
+        replies = [loras.decode(t) for t in tokens]
         ratio = uppercase_ratio(replies)
-        notes.append(f"llama.cpp + demo-uppercase (GGUF LoRA): {100 * ratio:.1f}% of reply letters capitals")
-        if ratio < 0.9:
-            notes.append(f"llama.cpp LoRA rows withheld, demo replies not in capitals: {replies}")
+        agree = common_prefix_fraction(loras.reference, tokens)
+        same = sum(list(a) == list(b) for a, b in zip(loras.reference, tokens, strict=True))
+        notes.append(
+            f"llama.cpp + demo-uppercase (our GGUF LoRA): {100 * ratio:.1f}% of reply letters capitals; "
+            f"greedy tokens as loraplex float32's: mean common prefix {100 * agree:.0f}%, {same} of "
+            f"{len(tokens)} replies identical ({DEMO_NEW_TOKENS} tokens)"
+        )
+        if ratio < 0.9 or agree < 0.5:
+            notes.append(f"llama.cpp LoRA rows withheld: the check above failed; its replies: {replies}")
             return figures, notes
         run.set_lora(adapters["timed"])
         figures += _llama_cpp_cases(run, args, prompts, " + 1 LoRA")
@@ -333,7 +363,7 @@ def run(args: argparse.Namespace) -> int:
         with tempfile.TemporaryDirectory(prefix="loraplex-gguf-lora-") as directory:
             loras = None
             if not args.no_llama_cpp_lora:
-                loras = write_llama_cpp_loras(path, next(iter(engines.values())), Path(directory))
+                loras = write_llama_cpp_loras(path, engines, Path(directory))
             llama = llama_cpp_figures(path, args, prompts, loras)
         if not isinstance(llama, str):
             figures += llama[0]
