@@ -12,8 +12,10 @@ does not fall on one only.
 
 llama.cpp (llama-cpp-python, `make bench-deps`) runs the same GGUF file with the same thread count:
 one stream, and `--streams` sequences decoded together (one `llama_decode` batch per step, one token per
-sequence, each on its own sequence id: llama.cpp's batched decoding). It has no multi-adapter batch, so
-its row is without adapters; when llama-cpp-python is missing the rows say so instead of failing.
+sequence, each on its own sequence id: llama.cpp's batched decoding). It has no multi-adapter batch: its
+rows are without an adapter and with one LoRA on the context (the engine's synthetic a0 written as a
+llama.cpp GGUF LoRA by bench/gguf_lora.py), the LoRA rows only after the demo adapter's llama.cpp replies
+pass the check LlamaCppLoras describes. When llama-cpp-python is missing the rows say how to build it.
 """
 
 from __future__ import annotations
