@@ -148,6 +148,17 @@ class VirtualTokenCounter:
         self._charged.discard(request.request_id)
         self._check_idle(request.tenant, state)
 
+    def newcomers(self) -> set[Tenant]:
+        """Tenants with requests queued, none running, and a counter no larger than that of any tenant
+        with requests running: the under-served whose first chunk the scheduler keeps light."""
+        running = [s.counter for s in self.tenants.values() if s.running]
+        least_served = min(running) if running else float("inf")
+        return {
+            tenant
+            for tenant, state in self.tenants.items()
+            if state.waiting and not state.running and state.counter <= least_served
+        }
+
     def pick(self, waiting: Iterable[Request], skip: set[Tenant]) -> Request | None:
         """The earliest waiting request of the tenant with the smallest counter, skipping `skip`'s
         tenants; ties go to the tenant with fewer requests running, then to the earliest request."""

@@ -77,6 +77,7 @@ class Scheduler:
         fairness: VirtualTokenCounter | None = None,
         max_bypass_steps: int = 32,
         prefix_cache: PrefixCache | None = None,
+        light_newcomer_steps: bool = True,
     ):
         if page_size <= 0 or max_num_seqs <= 0 or max_batch_tokens <= 0:
             raise ValueError("page_size, max_num_seqs and max_batch_tokens must be positive")
@@ -101,6 +102,12 @@ class Scheduler:
         # enough pages for it, so it cannot starve.
         self.max_bypass_steps = max_bypass_steps
         self._bypassed: dict[str, int] = {}  # request id -> steps it was passed over
+        # With fairness, the step that admits an under-served tenant's first request carries no other
+        # prefill (running chunks wait a step, other tenants do not join): its first token then costs
+        # about what it costs on an idle engine. Each request is held back like that at most once, so
+        # a stream of newcomers cannot starve a prefill.
+        self.light_newcomer_steps = light_newcomer_steps
+        self._held_back: set[str] = set()  # request ids whose prefill waited out a newcomer's step
         self.running: list[Request] = []  # in admission order: the front has priority
 
     def pages_for(self, num_tokens: int) -> int:
@@ -125,11 +132,42 @@ class Scheduler:
 
     def schedule(self) -> StepPlan:
         out = StepPlan()
-        budget = self.max_batch_tokens
+        newcomers = self._newcomers()
+        budget, prefills = self._schedule_running(out, self.max_batch_tokens, hold_back=bool(newcomers))
+        passed: set[Tenant] = set()  # tenants whose next request cannot join this step
+        loads = 0
+        if newcomers:  # the newcomers join first, alone
+            others = {request.tenant for request in self.waiting if request.tenant not in newcomers}
+            before = len(self.running)
+            budget, loads, blocked = self._admit(out, budget, passed | others, loads)
+            if len(self.running) > before:  # a newcomer's step: the held-back prefills wait for the next
+                self._held_back.update(request.request_id for request in prefills)
+                return self._finish_plan(out)
+            for request in prefills:  # no newcomer could join: the step is an ordinary one after all
+                count = min(request.num_tokens - request.num_computed_tokens, budget)
+                if count > 0 and self._reserve(request, request.num_computed_tokens + count):
+                    out.chunks.append(self._chunk(request, count))
+                    budget -= count
+            if blocked:  # a newcomer that may not be passed over again: nobody joins behind it
+                return self._finish_plan(out)
+            passed.update(newcomers)  # they were tried
+        self._admit(out, budget, passed, loads)
+        return self._finish_plan(out)
+
+    def _schedule_running(self, out: StepPlan, budget: int, hold_back: bool) -> tuple[int, list[Request]]:
+        """The running requests' next chunks, in admission order, preempting the latest admitted when the
+        pool runs out. With `hold_back`, prefill chunks of requests not held back before are left out
+        and returned: they run only if no newcomer joins."""
+        held: list[Request] = []
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            count = min(request.num_tokens - request.num_computed_tokens, budget)
+            remaining = request.num_tokens - request.num_computed_tokens
+            if hold_back and remaining > 1 and request.request_id not in self._held_back:
+                held.append(request)
+                index += 1
+                continue
+            count = min(remaining, budget)
             if self._reserve(request, request.num_computed_tokens + count):
                 out.chunks.append(self._chunk(request, count))
                 budget -= count
@@ -138,8 +176,15 @@ class Scheduler:
             victim = self.running[-1]  # latest admitted, never one already scheduled this step
             self.preempt(victim)
             out.preempted.append(victim)
-        loads = 0
-        passed: set[Tenant] = set()  # tenants whose next request cannot join this step
+            if victim in held:
+                held.remove(victim)
+        return budget, held
+
+    def _admit(self, out: StepPlan, budget: int, passed: set[Tenant], loads: int) -> tuple[int, int, bool]:
+        """Waiting requests join while the budget, the batch and the pool allow, in fairness (or
+        arrival) order, skipping the tenants in `passed` (which grows by those that cannot join now).
+        Returns the budget left, the adapter loads begun this step, and whether admission stopped
+        behind a request that cannot join and may not be passed over."""
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
             picked = self._next_waiting(passed)
             if picked is None:
@@ -159,7 +204,7 @@ class Scheduler:
                 if loading and loads >= self.max_adapter_loads_per_step:
                     if self._pass_over(request, passed, starving=False):
                         continue
-                    break
+                    return budget, loads, True
                 kv_pages = self.pages_for(start + count) - max(len(request.pages), start // self.page_size)
                 can_free = self.pool.num_free + self.pool.reclaimable_pages()
                 if (loading and can_free < adapter_pages + kv_pages) or not self.adapters.acquire(
@@ -169,7 +214,7 @@ class Scheduler:
                     # tenants go ahead of it for a while (fairness) or nobody does (FCFS).
                     if self._pass_over(request, passed, starving=True):
                         continue
-                    break
+                    return budget, loads, True
                 loads += loading
                 request.holds_adapter = True
             if self.prefix_cache is not None and not request.pages:
@@ -178,7 +223,7 @@ class Scheduler:
             if not self._reserve(request, request.num_computed_tokens + count):
                 self._release(request)
                 request.num_computed_tokens = 0
-                break
+                return budget, loads, True
             self.waiting.remove(request)
             self._bypassed.pop(request.request_id, None)
             if self.fairness is not None:
@@ -187,9 +232,19 @@ class Scheduler:
             self.running.append(request)
             out.chunks.append(self._chunk(request, count))
             budget -= count
+        return budget, loads, False
+
+    def _finish_plan(self, out: StepPlan) -> StepPlan:
         if self.adapters is not None:
             out.adapter_loads = self.adapters.pending_loads()
         return out
+
+    def _newcomers(self) -> set[Tenant]:
+        """The under-served tenants (nothing running, least counter) whose request can join this step,
+        when fairness is on and a slot of the running batch is free; else nothing."""
+        if self.fairness is None or not self.light_newcomer_steps or len(self.running) >= self.max_num_seqs:
+            return set()
+        return self.fairness.newcomers()
 
     def _next_waiting(self, passed: set[Tenant]) -> Request | None:
         """The waiting request to try next: the queue's front (FCFS), or the fairness pick."""
@@ -267,6 +322,7 @@ class Scheduler:
         if self.fairness is not None and (was_running or was_waiting):  # never queued: nothing counted
             self.fairness.finished(request, was_running)
         self._bypassed.pop(request.request_id, None)
+        self._held_back.discard(request.request_id)
         self._release(request)
         if self.prefix_cache is not None:
             self.prefix_cache.forget_request(request)

@@ -142,6 +142,55 @@ def test_a_newly_active_tenant_goes_before_the_backlogged_one() -> None:
         assert not joined or joined[0] is newcomer, [r.request_id for r in joined]
 
 
+def _first_step_of(run: Run, request: Request) -> list[tuple[str, int]]:
+    """Step until `request` is scheduled; return that step's chunks as (request id, tokens)."""
+    while True:
+        plan = run.scheduler.schedule()
+        chunks = [(c.request.request_id, c.num_tokens) for c in plan.chunks]
+        load_all(run.scheduler.adapters, plan)
+        run.scheduler.postprocess(plan, [TOKEN] * len(plan.sampling))
+        run.steps += 1
+        if any(c.request is request for c in plan.chunks):
+            return chunks
+
+
+def test_a_newcomers_first_step_carries_no_other_prefill() -> None:
+    """A's long prompts are being prefilled in chunks, more of A's wait; B arrives. The step that runs
+    B's first chunk runs nothing else but decodes (A's prefill waits a step, A's queue does not join), so
+    B's first token costs about an idle step; with the setting off, A's prefill shares B's step."""
+    for light in (True, False):
+        run = Run(fair_scheduler(pages=256, page_size=4, seqs=4, budget=48, light_newcomer_steps=light))
+        for i in range(8):
+            run.scheduler.add(make("A", i, 40 if i % 2 else 3, 6))
+        for _ in range(3):
+            run.step()
+        newcomer = make("B", 0, 8, 2)
+        run.scheduler.add(newcomer)
+        chunks = _first_step_of(run, newcomer)
+        others = [n for rid, n in chunks if rid != "B0"]
+        assert ("B0", 8) in chunks
+        if light:
+            assert others and all(n == 1 for n in others), chunks  # A's decodes only
+        else:
+            assert any(n > 1 for n in others), chunks  # the scenario does have A's prefill to hold back
+        while run.scheduler.has_unfinished():
+            run.step()
+
+
+def test_newcomers_every_step_do_not_starve_a_prefill() -> None:
+    """A new tenant arrives before every step: each request's prefill is held back at most once, so A's
+    long prompt still finishes, a few steps later than without newcomers."""
+    run = Run(fair_scheduler(pages=256, page_size=4, seqs=4, budget=16))
+    long = make("A", 0, 64, 2)
+    run.scheduler.add(long)
+    for step in range(200):
+        if long.finished:
+            break
+        run.scheduler.add(make(f"T{step}", 0, 2, 1))
+        run.step()
+    assert long.finished and run.steps <= 64 // 16 + 2 + 1, run.steps
+
+
 def test_fcfs_within_a_tenant_and_a_preempted_request_is_first_of_its_tenant_again() -> None:
     scheduler = fair_scheduler(pages=10, page_size=4, seqs=4, budget=64)
     first, second = make("A", 0, 12, 20), make("A", 1, 12, 20)
