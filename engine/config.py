@@ -155,9 +155,9 @@ class EngineConfig:
     async_scheduling: Annotated[
         str,
         Opt(
-            "host work that needs none of a step's tokens (adapter prefetch for the queue) runs while "
-            "the step is on the device, before its tokens are read; auto is on with CUDA, off on the CPU, "
-            "where the device is the host",
+            "pipelined steps: step n+1 is planned and launched (its decodes read step n's sampled ids "
+            "on the device) before step n's tokens are read, so the host work overlaps the device; "
+            "auto is on with CUDA, off on the CPU, where the device is the host",
             choices=("auto", "on", "off"),
         ),
     ] = "auto"

@@ -15,7 +15,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +45,7 @@ from .pool import PageKind, PagePool
 from .prefix_cache import PrefixCache
 from .request import OutputState, Request, RequestOutput, RequestStatus, SamplingState
 from .runner import ModelRunner
-from .sampler import sample_step
+from .sampler import StepSample, sample_step
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledChunk, Scheduler, StepPlan
 from .stats import AdapterFacts, AdapterInfo, EngineStats
@@ -55,6 +55,19 @@ from .warmup import warm_up
 log = logging.getLogger(__name__)
 
 Prompt = str | Sequence[int]
+
+
+@dataclass
+class _InFlight:
+    """A launched step whose tokens are not read yet (async scheduling): its plan, its sampled tokens on
+    the device, and each sampling request's row among them."""
+
+    plan: StepPlan
+    sampled: StepSample
+    rows: dict[str, int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.rows = {request.request_id: i for i, request in enumerate(self.plan.sampling)}
 
 
 @dataclass
@@ -185,6 +198,7 @@ class LLMEngine:
             graphs = DecodeGraphs(CudaGraphBackend(device))
         self.runner = ModelRunner(loaded.model, self.cache, stacker, use_kernels, buckets, graphs)
         self._overlap = config.overlaps(device)
+        self._in_flight: _InFlight | None = None  # async scheduling: the step launched, not yet read
         if use_kernels:  # compiles every kernel variant now, so no request waits on one; nothing off CUDA
             warm_up(model_config, dtype, config.page_size, config.max_num_seqs, device)
         self._requests: dict[str, Request] = {}
@@ -393,40 +407,106 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one step: schedule → load adapters → build the batch and run it → sample → postprocess.
-        Returns the outputs of the requests it touched."""
+        Returns the outputs of the requests it touched.
+
+        With async scheduling the step is pipelined: this call plans and launches step n+1 (its decodes
+        read step n's sampled ids on the device), runs the host work that needs no token (adapter
+        prefetch), and only then reads step n's tokens and returns step n's outputs; step n+1 stays in
+        flight until the next call. Outputs are those of the plain loop, one call later."""
+        if not self._overlap:
+            return self._step_now()
+        in_flight, self._in_flight = self._in_flight, None
         plan = self.scheduler.schedule()
         outputs = self._refused(plan)
         outputs += self._load_adapters(plan)
-        if not self._overlap:
-            self.loader.prefetch(self._next_adapters())
-        if not plan.chunks:
-            if self._overlap:
+        launched: _InFlight | None = None
+        if plan.chunks:
+            plan.chunks = self.runner.order(plan.chunks)
+            try:
+                logits, finite = self._launch(plan.chunks, feed=in_flight)
+                launched = _InFlight(plan, sample_step(logits, plan.sampling, finite))
+                self.scheduler.advance(plan)
+            except Exception as error:  # not queued: land the step in flight, then isolate the fault
                 self.loader.prefetch(self._next_adapters())
-            if self.scheduler.waiting and not self.scheduler.running and not outputs:
-                raise RuntimeError("the scheduler could not admit any request into an empty pool")
+                if in_flight is not None:
+                    landed, ok = self._land(in_flight, successor=None)
+                    outputs += landed
+                    if not ok:  # that step ran again on its own: plan afresh next call
+                        return outputs
+                plan.chunks = [c for c in plan.chunks if c.request.status is RequestStatus.RUNNING]
+                return outputs + self._run_now(plan, failed=error)
+        # Step n+1 is queued on the device and nothing of it is read: host work that needs none of its
+        # tokens runs meanwhile.
+        self.loader.prefetch(self._next_adapters())
+        if in_flight is not None:
+            landed, ok = self._land(in_flight, successor=launched)
+            outputs += landed
+            if not ok:
+                launched = None  # rolled back: its chunks are planned again
+        self._in_flight = launched
+        if launched is None and in_flight is None:
+            self._check_progress(outputs)
+        return outputs
+
+    def _step_now(self) -> list[RequestOutput]:
+        """One step, not pipelined: plan, launch, read its tokens, postprocess."""
+        plan = self.scheduler.schedule()
+        outputs = self._refused(plan)
+        outputs += self._load_adapters(plan)
+        self.loader.prefetch(self._next_adapters())
+        if not plan.chunks:
+            self._check_progress(outputs)
             return outputs
         plan.chunks = self.runner.order(plan.chunks)
-        prefetched = False
+        return outputs + self._run_now(plan)
+
+    def _check_progress(self, outputs: list[RequestOutput]) -> None:
+        if self.scheduler.waiting and not self.scheduler.running and not outputs:
+            raise RuntimeError("the scheduler could not admit any request into an empty pool")
+
+    def _run_now(self, plan: StepPlan, failed: Exception | None = None) -> list[RequestOutput]:
+        """Run the plan's (ordered) chunks, read their tokens and postprocess, isolating a fault to the
+        requests or adapters that caused it. `failed`: the error its launch already raised (the
+        isolation's retry is the next run)."""
+        outputs: list[RequestOutput] = []
+        if not plan.chunks:
+            return outputs
         try:
+            if failed is not None:
+                raise failed
             logits, finite = self._launch(plan.chunks)
             sampled = sample_step(logits, plan.sampling, finite)
-            if self._overlap:
-                # The step is queued on the device and nothing of it is read yet: host work that
-                # needs none of its tokens runs meanwhile (async_scheduling).
-                self.loader.prefetch(self._next_adapters())
-                prefetched = True
             # The step's one device-to-host copy: tokens, finite flags, logprobs. Rows that are not
             # finite fail the step before any token or logprob lands on a request.
             self._check_finite(plan.chunks, sampled.finite())
         except Exception as error:
-            if self._overlap and not prefetched:
-                self.loader.prefetch(self._next_adapters())
             plan.chunks, survived = self._isolate_fault(plan.chunks, error, outputs)
             if survived is None:
                 return outputs
             sampled = sample_step(survived, plan.sampling)
         tokens = sampled.resolve()  # logprobs and kept logits land on the requests
-        for request in self.scheduler.postprocess(plan, tokens):
+        return outputs + self._outputs_of(self.scheduler.postprocess(plan, tokens))
+
+    def _land(self, flight: _InFlight, successor: _InFlight | None) -> tuple[list[RequestOutput], bool]:
+        """Read the step in flight's tokens (its one copy) and postprocess it. If it failed (a row not
+        finite, or the device reports an error), its successor, planned as if it had not, is rolled back
+        (its device work is wasted) and the step runs again the plain way, with fault isolation.
+        Returns the outputs and whether it landed as launched."""
+        plan = flight.plan
+        try:
+            self._check_finite(plan.chunks, flight.sampled.finite())
+            tokens = flight.sampled.resolve()
+        except Exception:
+            if successor is not None:
+                self.scheduler.rollback(successor.plan)
+            self.scheduler.rollback(plan)
+            plan.chunks = [c for c in plan.chunks if c.request.status is RequestStatus.RUNNING]
+            return self._run_now(plan), False
+        return self._outputs_of(self.scheduler.land(plan, tokens)), True
+
+    def _outputs_of(self, requests: list[Request]) -> list[RequestOutput]:
+        outputs = []
+        for request in requests:
             if request.finished:
                 self._requests.pop(request.request_id, None)
             outputs.append(self._output(request, new_text=next_delta(request)))
@@ -474,16 +554,38 @@ class LLMEngine:
             sampled = [c.request.request_id for c in chunks if c.samples]
             raise NonFiniteLogits([sampled[i] for i, ok in enumerate(flags) if not ok])
 
-    def _launch(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _launch(
+        self, chunks: list[ScheduledChunk], feed: _InFlight | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The chunks' sampled rows' logits [S, vocab] and whether each row is finite [S], both still
         on the device: from the metadata copy to here nothing reads a device value, so nothing waits
         for the device (what a captured CUDA graph of the decode step needs; tests/engine/test_dispatch.py).
         The padding rows of a graph-ready step are computed with the rest and dropped here (views)."""
         batch = self.runner.build(chunks)
+        if feed is not None:
+            self._feed(batch.input_ids, chunks, feed)
         logits = self.runner.execute(batch)  # [S + padding, vocab]
         finite = torch.isfinite(logits).all(dim=-1)  # over every row: one shape per bucket
         real = logits.shape[0] - batch.num_padding
         return logits[:real], finite[:real]
+
+    def _feed(self, input_ids: torch.Tensor, chunks: list[ScheduledChunk], feed: _InFlight) -> None:
+        """Copy the pending tokens' ids from the step in flight's sampled tokens into this step's input
+        rows, on the device: each is a decode (one-token chunk, laid out first) of a pending position."""
+        rows = feed.rows
+        pairs = [
+            (row, rows[chunk.request.request_id])
+            for row, chunk in enumerate(chunks)
+            if chunk.num_tokens == 1
+            and chunk.start >= chunk.request.num_tokens - chunk.request.num_pending_tokens
+        ]
+        if not pairs:
+            return
+        index = torch.tensor(pairs, dtype=torch.int64).T  # [2, k]: this step's rows, the flight's rows
+        if input_ids.device.type == "cuda":
+            index = index.pin_memory().to(input_ids.device, non_blocking=True)
+        tokens = feed.sampled.tokens.index_select(0, index[1]).to(input_ids.dtype)
+        input_ids.index_copy_(0, index[0], tokens)
 
     def _isolate_fault(
         self, chunks: list[ScheduledChunk], error: Exception, outputs: list[RequestOutput]

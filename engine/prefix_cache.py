@@ -94,11 +94,13 @@ class PrefixCache:
         self.queried_tokens += prompt
         self.hit_tokens += request.num_cached_tokens
 
-    def commit(self, request: Request) -> None:
+    def commit(self, request: Request, upto: int | None = None) -> None:
         """After a step computed more of the request: its pages that are now full join the cache (a page
-        another request cached first stays the request's own)."""
+        another request cached first stays the request's own). `upto`: only pages within its first
+        `upto` tokens (async scheduling: a later step in flight computed more, not yet checked)."""
         state = self._state(request)
-        full = min(request.num_computed_tokens // self.page_size, len(request.pages))
+        computed = request.num_computed_tokens if upto is None else min(upto, request.num_computed_tokens)
+        full = min(computed // self.page_size, len(request.pages))
         self._extend_keys(request, state, full)
         for index in range(state.committed, full):
             page, key = request.pages[index], state.keys[index]

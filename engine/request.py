@@ -29,6 +29,11 @@ class TokenLogprob:
     top: list[tuple[int, float]]
 
 
+# What a pending token's id reads as on the host until its step lands (a valid id: a row that is copied
+# over anyway must not index outside the embedding table if anything ever read it first).
+PENDING_TOKEN = 0
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -75,6 +80,9 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose keys and values are in the cache
+    # Tokens sampled by a step still in flight (async scheduling): they count as tokens, so the next
+    # step can be planned to compute them, but their ids are on the device until that step lands.
+    num_pending_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission (not computed)
     pages: list[int] = field(default_factory=list)
     holds_adapter: bool = False  # admitted: holds a reference that keeps its adapter resident
@@ -85,10 +93,19 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending_tokens
+
+    @property
+    def num_generated(self) -> int:
+        """Output tokens sampled so far, landed or pending: the next one's output position."""
+        return len(self.output_token_ids) + self.num_pending_tokens
 
     def tokens(self, start: int, end: int) -> list[int]:
-        """Tokens [start, end) of prompt + output, without joining the two lists on every decode."""
+        """Tokens [start, end) of prompt + output, without joining the two lists on every decode;
+        a pending token reads as PENDING_TOKEN (the step that computes it copies its id on the device)."""
+        known = len(self.prompt_token_ids) + len(self.output_token_ids)
+        if end > known:
+            return self.tokens(start, known) + [PENDING_TOKEN] * (end - max(start, known))
         prompt_len = len(self.prompt_token_ids)
         if start >= prompt_len:
             return self.output_token_ids[start - prompt_len : end - prompt_len]

@@ -207,7 +207,7 @@ def _sample_rows(
             [p.top_k for p in params],
             [p.top_p for p in params],
             [p.min_p for p in params],
-            [uniform(request_seed(r), len(r.output_token_ids)) for r in chosen],
+            [uniform(request_seed(r), r.num_generated) for r in chosen],
         ],
         dtype=torch.float32,
     ).to(logits.device, non_blocking=True)

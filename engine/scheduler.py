@@ -108,6 +108,7 @@ class Scheduler:
         # a stream of newcomers cannot starve a prefill.
         self.light_newcomer_steps = light_newcomer_steps
         self._held_back: set[str] = set()  # request ids whose prefill waited out a newcomer's step
+        self._yielded: set[str] = set()  # request ids preempted once to give a newcomer their slot
         self.running: list[Request] = []  # in admission order: the front has priority
 
     def pages_for(self, num_tokens: int) -> int:
@@ -132,11 +133,13 @@ class Scheduler:
 
     def schedule(self) -> StepPlan:
         out = StepPlan()
-        newcomers = self._newcomers()
+        newcomers = self._newcomers(out)
+        made_room = len(out.preempted)
         budget, prefills = self._schedule_running(out, self.max_batch_tokens, hold_back=bool(newcomers))
+        pressed = len(out.preempted) > made_room  # preempted for lack of pages: nobody joins this step
         passed: set[Tenant] = set()  # tenants whose next request cannot join this step
         loads = 0
-        if newcomers:  # the newcomers join first, alone
+        if newcomers and not pressed:  # the newcomers join first, alone
             others = {request.tenant for request in self.waiting if request.tenant not in newcomers}
             before = len(self.running)
             budget, loads, blocked = self._admit(out, budget, passed | others, loads)
@@ -151,7 +154,8 @@ class Scheduler:
             if blocked:  # a newcomer that may not be passed over again: nobody joins behind it
                 return self._finish_plan(out)
             passed.update(newcomers)  # they were tried
-        self._admit(out, budget, passed, loads)
+        if not pressed:
+            self._admit(out, budget, passed, loads)
         return self._finish_plan(out)
 
     def _schedule_running(self, out: StepPlan, budget: int, hold_back: bool) -> tuple[int, list[Request]]:
@@ -163,6 +167,9 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             remaining = request.num_tokens - request.num_computed_tokens
+            if request.num_pending_tokens and self.stop.stops_by_length(request):
+                index += 1  # ends when its pending token lands: nothing left to compute
+                continue
             if hold_back and remaining > 1 and request.request_id not in self._held_back:
                 held.append(request)
                 index += 1
@@ -185,7 +192,7 @@ class Scheduler:
         arrival) order, skipping the tenants in `passed` (which grows by those that cannot join now).
         Returns the budget left, the adapter loads begun this step, and whether admission stopped
         behind a request that cannot join and may not be passed over."""
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             picked = self._next_waiting(passed)
             if picked is None:
                 break
@@ -239,12 +246,54 @@ class Scheduler:
             out.adapter_loads = self.adapters.pending_loads()
         return out
 
-    def _newcomers(self) -> set[Tenant]:
-        """The under-served tenants (nothing running, least counter) whose request can join this step,
-        when fairness is on and a slot of the running batch is free; else nothing."""
-        if self.fairness is None or not self.light_newcomer_steps or len(self.running) >= self.max_num_seqs:
+    def _newcomers(self, out: StepPlan) -> set[Tenant]:
+        """With fairness: the under-served tenants (nothing running, least counter) whose request joins
+        first and alone this step. When the running batch has no free slot, one running request of the
+        tenant running the most (two or more) gives its slot up, preempted (its full pages stay in the
+        prefix cache), so the newcomer does not wait for another tenant's long request to end; each
+        request yields like that at most once, and only to a newcomer whose adapter, if any, is resident
+        (one that would wait for pages anyway takes nobody's slot)."""
+        if self.fairness is None or not self.light_newcomer_steps:
             return set()
-        return self.fairness.newcomers()
+        newcomers = self.fairness.newcomers()
+        if not newcomers or len(self.running) < self.max_num_seqs:
+            return newcomers
+        ready = [r for r in self.waiting if r.tenant in newcomers and self._adapter_ready(r)]
+        victim = self._yielding_request() if ready else None
+        if victim is None:
+            return set()
+        self._yielded.add(victim.request_id)
+        self.preempt(victim)
+        out.preempted.append(victim)
+        return newcomers
+
+    def _adapter_ready(self, request: Request) -> bool:
+        if request.adapter is None or request.holds_adapter:
+            return True
+        assert self.adapters is not None
+        return (
+            request.adapter not in self.adapters.failed and self.adapters.pages_needed(request.adapter) == 0
+        )
+
+    def _yielding_request(self) -> Request | None:
+        """The running request that gives its slot to a newcomer: of the tenant with the most running
+        (at least two: a tenant never loses its last), the one with the least computed (the least to
+        recompute; the latest admitted of equals) that has not yielded before."""
+        by_tenant: dict[Tenant, list[Request]] = {}
+        for request in self.running:
+            by_tenant.setdefault(request.tenant, []).append(request)
+        fairness = self.fairness
+        assert fairness is not None
+        tenants = sorted(
+            (t for t, rs in by_tenant.items() if len(rs) >= 2),
+            key=lambda t: (len(by_tenant[t]), fairness.counter(t)),
+            reverse=True,
+        )
+        for tenant in tenants:
+            candidates = [r for r in by_tenant[tenant] if r.request_id not in self._yielded]
+            if candidates:
+                return min(reversed(candidates), key=lambda r: r.num_computed_tokens)
+        return None
 
     def _next_waiting(self, passed: set[Tenant]) -> Request | None:
         """The waiting request to try next: the queue's front (FCFS), or the fairness pick."""
@@ -271,20 +320,53 @@ class Scheduler:
         """After the step ran `plan.chunks`: their tokens are in the cache; `sampled` holds the next
         token of each of `plan.sampling`, in order. Appends them and finishes the requests that stop.
         Returns the requests that sampled (finished ones included)."""
+        self.advance(plan)
+        return self.land(plan, sampled)
+
+    def advance(self, plan: StepPlan) -> None:
+        """The step is launched: its chunks count as computed and each sampling request has one pending
+        token, so the next step can be planned before this one's tokens are read (async scheduling)."""
+        for chunk in plan.chunks:
+            chunk.request.num_computed_tokens = chunk.end
+        for request in plan.sampling:
+            request.num_pending_tokens += 1
+
+    def land(self, plan: StepPlan, sampled: Sequence[int]) -> list[Request]:
+        """The advanced step's tokens are read: `sampled` holds the next token of each of
+        `plan.sampling`, in order. Its pages join the prefix cache, the tokens replace the pending ones,
+        and the requests that stop finish. A request that ended while the step was in flight (aborted,
+        or stopped by the step before) takes nothing. Returns the requests that took a token."""
         requests = plan.sampling
         if len(requests) != len(sampled):
             raise ValueError(f"the step sampled {len(sampled)} tokens for {len(requests)} requests")
-        for chunk in plan.chunks:
-            chunk.request.num_computed_tokens = chunk.end
-            if self.prefix_cache is not None:
-                self.prefix_cache.commit(chunk.request)  # its pages filled by this step can be shared now
+        if self.prefix_cache is not None:
+            for chunk in plan.chunks:
+                if chunk.request.status is RequestStatus.RUNNING:  # its pages filled by the step are shared
+                    self.prefix_cache.commit(chunk.request, upto=chunk.end)
+        took = []
         for request, token in zip(requests, sampled, strict=True):
+            if request.finished:
+                continue
+            took.append(request)
+            request.num_pending_tokens -= 1
             if self.fairness is not None:
                 self.fairness.generated(request)
             reason = self.stop.append(request, token)
             if reason is not None:
                 self.finish(request, reason)
-        return requests
+        return took
+
+    def rollback(self, plan: StepPlan) -> None:
+        """Undo `advance` for a step whose results are dropped (its successor's fault path): its chunks
+        are to be computed again and its pending tokens sampled again (seeded draws repeat)."""
+        for chunk in plan.chunks:
+            request = chunk.request
+            if request.finished:
+                continue
+            if chunk.samples and request.num_pending_tokens:
+                request.num_pending_tokens -= 1
+            if request.status is RequestStatus.RUNNING:
+                request.num_computed_tokens = min(request.num_computed_tokens, chunk.start)
 
     def _reserve(self, request: Request, num_tokens: int) -> bool:
         """Make sure the request owns pages for `num_tokens` tokens; False if the pool cannot."""
@@ -323,6 +405,7 @@ class Scheduler:
             self.fairness.finished(request, was_running)
         self._bypassed.pop(request.request_id, None)
         self._held_back.discard(request.request_id)
+        self._yielded.discard(request.request_id)
         self._release(request)
         if self.prefix_cache is not None:
             self.prefix_cache.forget_request(request)

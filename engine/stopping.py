@@ -38,6 +38,11 @@ class StopChecker:
             return "length"
         return None
 
+    def stops_by_length(self, request: Request) -> bool:
+        """Whether the request ends by length once its sampled tokens (pending ones included) land:
+        nothing more needs computing for it."""
+        return request.num_generated >= request.params.max_tokens or request.num_tokens >= self.max_model_len
+
 
 def _hit_stop_string(request: Request, checked_before: int) -> bool:
     """A stop string in the text added since `checked_before` (or straddling it): cut the text there."""

@@ -1,6 +1,8 @@
-"""async_scheduling: the host work that needs none of a step's tokens (adapter prefetch for the queue)
-runs after the step is launched and before its tokens are read; nothing else changes, so outputs,
-finish reasons, aborts and stop strings are those of the plain loop."""
+"""async_scheduling: step n+1 is planned and launched (its decodes read step n's sampled ids on the
+device) before step n's tokens are read, and the host work that needs no token (adapter prefetch) runs
+while both are queued; outputs, finish reasons, aborts, stop strings, preemptions and seeded draws are
+those of the plain loop (the equality test fails if a pending id is not fed: the row would read 0).
+"""
 
 from __future__ import annotations
 
@@ -73,21 +75,48 @@ def test_async_scheduling_changes_no_output(smollm2) -> None:
 
 
 @pytest.mark.parametrize("mode", ["off", "on"])
-def test_prefetch_runs_while_the_step_is_on_the_device(smollm2, monkeypatch, mode: str) -> None:
+def test_step_n_plus_1_is_planned_and_launched_before_step_n_is_read(smollm2, monkeypatch, mode: str) -> None:
+    """Pipelined, each call plans and launches the next step (its decode reads the previous step's
+    sampled id on the device), prefetches, and only then reads the previous step's tokens (the sample
+    made by the call before): outputs come one call later. Plain: plan, prefetch, launch, read."""
+    from loraplex.engine import engine as engine_module
+
     engine = make(smollm2, mode)
     events: list[str] = []
-    execute, prefetch = engine.runner.execute, engine.loader.prefetch
-    resolve = sampler_module.StepSample.resolve
+    samples: list[Any] = []
+    schedule, execute, prefetch = engine.scheduler.schedule, engine.runner.execute, engine.loader.prefetch
+    resolve, sample_step = sampler_module.StepSample.resolve, engine_module.sample_step
+
+    def sampled(*args: Any, **kwargs: Any) -> Any:
+        samples.append(sample_step(*args, **kwargs))
+        return samples[-1]
+
+    def resolved(self: Any) -> Any:
+        events.append(f"resolve {samples.index(self)}")
+        return resolve(self)
+
+    monkeypatch.setattr(engine.scheduler, "schedule", lambda: (events.append("schedule"), schedule())[1])
     monkeypatch.setattr(engine.runner, "execute", lambda batch: (events.append("launch"), execute(batch))[1])
     monkeypatch.setattr(
         engine.loader, "prefetch", lambda names: (events.append("prefetch"), prefetch(names))[1]
     )
-    monkeypatch.setattr(
-        sampler_module.StepSample, "resolve", lambda self: (events.append("resolve"), resolve(self))[1]
-    )
-    engine.add_request([1, 2, 3, 4], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
-    engine.step()
-    if mode == "on":
-        assert events == ["launch", "prefetch", "resolve"]
-    else:
-        assert events == ["prefetch", "launch", "resolve"]
+    monkeypatch.setattr(engine_module, "sample_step", sampled)
+    monkeypatch.setattr(sampler_module.StepSample, "resolve", resolved)
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    request_id = engine.add_request([1, 2, 3, 4], params)
+    calls = []
+    while engine.has_unfinished():
+        events.clear()
+        outputs = engine.step()
+        calls.append((list(events), [len(o.token_ids) for o in outputs]))
+    if mode == "off":
+        plain = ["schedule", "prefetch", "launch"]
+        assert calls == [([*plain, f"resolve {i}"], [i + 1]) for i in range(3)]
+        return
+    assert calls == [
+        (["schedule", "launch", "prefetch"], []),  # nothing read yet
+        (["schedule", "launch", "prefetch", "resolve 0"], [1]),  # step 2 launched, then step 1 read
+        (["schedule", "launch", "prefetch", "resolve 1"], [2]),
+        (["schedule", "prefetch", "resolve 2"], [3]),  # ends by length: nothing more to launch
+    ]
+    assert request_id not in engine.request_ids(engine_module.RequestStatus.RUNNING)

@@ -191,6 +191,71 @@ def test_newcomers_every_step_do_not_starve_a_prefill() -> None:
     assert long.finished and run.steps <= 64 // 16 + 2 + 1, run.steps
 
 
+def test_a_newcomer_takes_a_slot_from_the_tenant_running_the_most() -> None:
+    """The batch is full of A's long requests when B arrives: one of A's gives its slot up (preempted,
+    the least computed), so B's first token comes in the next step instead of after A's next finish.
+    Each request yields at most once; a tenant never loses its last running request; with the setting
+    off, B waits for one of A's to end."""
+
+    def first_step_of_b(light: bool, seqs: int) -> tuple[int, list[str]]:
+        run = Run(fair_scheduler(pages=256, page_size=4, seqs=seqs, budget=64, light_newcomer_steps=light))
+        for i in range(6):
+            run.scheduler.add(make("A", i, 8, 30))
+        for _ in range(3):
+            run.step()
+        newcomer = make("B", 0, 4, 2)
+        run.scheduler.add(newcomer)
+        yielded: list[str] = []
+        start = run.steps
+        while newcomer.num_computed_tokens == 0:
+            plan = run.scheduler.schedule()
+            yielded += [r.request_id for r in plan.preempted]
+            load_all(run.scheduler.adapters, plan)
+            run.scheduler.postprocess(plan, [TOKEN] * len(plan.sampling))
+            run.steps += 1
+        return run.steps - start, yielded
+
+    assert first_step_of_b(light=True, seqs=3) == (1, ["A2"])  # A2 joined last: A0-A2 computed alike
+    steps, yielded = first_step_of_b(light=False, seqs=3)
+    assert steps > 20 and not yielded  # B waited for A0 (30 tokens) to end
+    assert first_step_of_b(light=True, seqs=1)[1] == []  # A's only running request keeps its slot
+
+    run = Run(fair_scheduler(pages=256, page_size=4, seqs=2, budget=64))
+    for i in range(4):
+        run.scheduler.add(make("A", i, 8, 40))
+    run.step()
+    victims, joined = [], []
+    for b in range(3):  # B after B, each under-served again by then
+        newcomer = make("B", b, 4, 1)
+        run.scheduler.add(newcomer)
+        plan = run.scheduler.schedule()
+        victims += [r.request_id for r in plan.preempted]
+        joined.append(newcomer in [c.request for c in plan.chunks])
+        load_all(run.scheduler.adapters, plan)
+        run.scheduler.postprocess(plan, [TOKEN] * len(plan.sampling))
+        while not newcomer.finished:
+            run.step()
+        for _ in range(4):  # the yielded request is back first, and A's service passes B's again
+            run.step()
+    # A1 then A0 yielded; they came back first, so at B2 both running requests have yielded once.
+    assert victims == ["A1", "A0"] and joined == [True, True, False], (victims, joined)
+
+
+def test_no_slot_is_taken_for_a_newcomer_whose_adapter_is_not_resident() -> None:
+    """A newcomer that would wait for its adapter's pages anyway takes nobody's slot."""
+    pool = PagePool(64)
+    registry = AdapterRegistry(pool)
+    registry.register("cold", FakeSource(), num_pages=4)
+    scheduler = Scheduler(pool, 4, 2, 64, adapters=registry, fairness=VirtualTokenCounter(W_P, W_Q))
+    run = Run(scheduler)
+    for i in range(3):
+        scheduler.add(make("A", i, 8, 30))
+    run.step()
+    scheduler.add(make("C", 0, 4, 2, adapter="cold"))
+    plan = scheduler.schedule()
+    assert plan.preempted == [] and len(scheduler.running) == 2
+
+
 def test_fcfs_within_a_tenant_and_a_preempted_request_is_first_of_its_tenant_again() -> None:
     scheduler = fair_scheduler(pages=10, page_size=4, seqs=4, budget=64)
     first, second = make("A", 0, 12, 20), make("A", 1, 12, 20)

@@ -41,7 +41,19 @@ class Filled:
         return {k: (a.fill_(self.value), b.fill_(self.value)) for k, (a, b) in self.inner.load(dtype).items()}
 
 
+ASYNC_SCHEDULING = ["off"]  # set per test by the fixture below
+
+
+@pytest.fixture(autouse=True, params=["off", "on"])
+def async_scheduling(request: pytest.FixtureRequest) -> str:
+    """Every test runs with the plain loop and pipelined (async scheduling: a fault of step n is seen
+    only after step n+1 was launched, which is then rolled back)."""
+    ASYNC_SCHEDULING[0] = request.param
+    return str(request.param)
+
+
 def tiny_engine(num_adapters: int = 6, **config: Any) -> LLMEngine:
+    config.setdefault("async_scheduling", ASYNC_SCHEDULING[0])
     engine = LLMEngine(EngineConfig(model="random:tiny", device="cpu", num_pages=128, **config))
     base = engine.loaded.config.lora_shape()
     for i in range(num_adapters):
@@ -75,7 +87,7 @@ def count_forwards(engine: LLMEngine) -> list[int]:
     return calls
 
 
-def test_an_overflowing_adapter_ends_only_its_own_requests() -> None:
+def test_an_overflowing_adapter_ends_only_its_own_requests(async_scheduling: str) -> None:
     engine = tiny_engine()
     innocent: list[str | None] = [None, "good0", "good1", "good2", "good3", "good4", "good5", None]
     reference = [o.token_ids for o in run(engine, mixed(innocent)).values()]
@@ -94,7 +106,10 @@ def test_an_overflowing_adapter_ends_only_its_own_requests() -> None:
     assert "huge" not in engine.registry.resident_names()  # its pages went back at once
     # The retry and a bisection over 7 adapters, not one run per adapter: a handful of forwards more.
     steps_without_fault = GREEDY.max_tokens
-    assert calls[0] <= steps_without_fault + 2 + 2 * 3 + 1
+    # Pipelined, the fault is seen after the next step was launched (wasted), and the faulty step runs
+    # once more before its retry: two forwards more.
+    pipelined = 2 if async_scheduling == "on" else 0
+    assert calls[0] <= steps_without_fault + 2 + 2 * 3 + 1 + pipelined
     # Nothing it computed is left to poison a page another request gets next.
     assert bool(torch.isfinite(engine.cache.memory).all())
     assert engine.pool.pages_by_kind()["kv"] == 0

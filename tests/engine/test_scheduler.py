@@ -292,3 +292,71 @@ def test_unregister_drains_then_forgets_and_the_name_can_come_back() -> None:
     assert pool.pages_by_kind()[PageKind.ADAPTER] == 0 and pool.num_free == pool.num_pages
     registry.register("gone", FakeSource("1" * 64), num_pages=3)  # the name is free again
     assert "gone" in registry and registry.unregister("gone") is True
+
+
+def _fake_token(request: Request) -> int:
+    """The fake model's next token: a function of the request and the output position (0 is the end
+    of sequence), as a seeded draw is, so the plain and the pipelined loop must agree."""
+    return (sum(map(ord, request.request_id)) * 31 + request.num_generated * 17) % 23
+
+
+def _drive(
+    scheduler: Scheduler, requests: list[Request], pipelined: bool
+) -> dict[str, tuple[list[int], str]]:
+    for request in requests:
+        scheduler.add(request)
+    in_flight: tuple[StepPlan, list[int]] | None = None
+    steps = 0
+    while scheduler.has_unfinished():
+        steps += 1
+        assert steps < 10_000, "no progress"
+        plan = scheduler.schedule()
+        load_all(scheduler.adapters, plan)
+        for chunk in plan.chunks:
+            assert chunk.start == chunk.request.num_computed_tokens
+            assert len(chunk.request.pages) * scheduler.page_size >= chunk.end
+        tokens = [_fake_token(r) for r in plan.sampling]  # drawn on the device, at launch
+        if not pipelined:
+            scheduler.postprocess(plan, tokens)
+            check_pages(scheduler)
+            continue
+        scheduler.advance(plan)
+        if in_flight is not None:
+            scheduler.land(*in_flight)
+        in_flight = (plan, tokens) if plan.chunks else None
+        assert in_flight is not None or not scheduler.running or scheduler.waiting, "stalled"
+    assert scheduler.pool.pages_by_kind()["kv"] == 0
+    return {r.request_id: (r.output_token_ids, r.finish_reason or "") for r in requests}
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    lengths=st.lists(st.tuples(st.integers(1, 40), st.integers(1, 24)), min_size=1, max_size=10),
+    page_size=st.sampled_from([1, 4]),
+    budget=st.integers(8, 64),
+    slack_pages=st.integers(0, 24),
+    seqs=st.integers(1, 6),
+)
+def test_pipelined_steps_give_the_plain_loop_s_outputs(
+    lengths: list[tuple[int, int]], page_size: int, budget: int, slack_pages: int, seqs: int
+) -> None:
+    """Async scheduling's bookkeeping: planning step n+1 after `advance(n)` and landing n afterwards
+    gives every request the tokens and finish reason of the plain loop, with preemption (small pools),
+    end-of-sequence stops that the next plan did not know of, and no page left behind."""
+    budget = max(budget, seqs)
+    longest = max(p + m for p, m in lengths)
+    pages = -(-longest // page_size) + 1 + slack_pages
+
+    def run(pipelined: bool) -> dict[str, tuple[list[int], str]]:
+        scheduler = Scheduler(
+            PagePool(pages),
+            page_size,
+            seqs,
+            budget,
+            stop=StopChecker(eos_token_ids=(0,), max_model_len=10**6),
+        )
+        requests = [make_request(i, p, m) for i, (p, m) in enumerate(lengths)]
+        return _drive(scheduler, requests, pipelined)
+
+    plain = run(pipelined=False)
+    assert run(pipelined=True) == plain
