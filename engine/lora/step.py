@@ -89,6 +89,8 @@ class GroupPlan:
     order: torch.Tensor | None  # [T_a] rows of their tokens grouped by adapter (None: all rows, in order)
     offsets: torch.Tensor  # [G] int32 row ends within order
     counts: list[int]
+    # [T_a] each row's adapter (0..G-1) when the rows are few per adapter (reference.lora_grouped)
+    row_groups: torch.Tensor | None = None
 
 
 class LoraStep:
@@ -98,7 +100,9 @@ class LoraStep:
     def __call__(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
         plan = self.plans.get(group)
         if plan is not None:
-            reference.lora_grouped(x, y, plan.a[layer], plan.b[layer], plan.order, plan.offsets, plan.counts)
+            reference.lora_grouped(
+                x, y, plan.a[layer], plan.b[layer], plan.order, plan.offsets, plan.counts, plan.row_groups
+            )
 
 
 class LoraStacker:
@@ -107,6 +111,11 @@ class LoraStacker:
     def __init__(self, residency: ResidentAdapters):
         self.residency = residency
         self._stacks = _PerAdapterSet(residency, self._gather)
+        # The stacks' dtype: on the CPU, 16-bit matrices this small multiply 3-4x slower than float32
+        # ones (bench quant, 16 streams + 8 adapters), so they are widened once per adapter set.
+        pool = residency.pool_rows
+        widen = pool.device.type == "cpu" and pool.dtype in (torch.bfloat16, torch.float16)
+        self.dtype = torch.float32 if widen else pool.dtype
 
     def build(self, batch: StepBatch) -> LoraStep | None:
         lora = batch.lora
@@ -114,7 +123,12 @@ class LoraStacker:
             return None
         plans: dict[str, GroupPlan] = {}
         for group, stack in self._stacks(lora.adapters).items():
-            plans[group] = _group_plan(lora, stack)
+            plan = plans[group] = _group_plan(lora, stack)
+            if sum(plan.counts) <= ROWS_PER_ADAPTER_FOR_BATCHED_ROWS * len(plan.counts):
+                counts = torch.tensor(plan.counts, device=stack.a.device)
+                plan.row_groups = torch.repeat_interleave(
+                    torch.arange(len(plan.counts), device=stack.a.device), counts
+                )
         return LoraStep(plans)
 
     def _gather(self, names: tuple[str, ...]) -> dict[str, Stack]:
@@ -132,14 +146,19 @@ class LoraStacker:
             width_out = b_parts[0].shape[2]
             # Padded to a multiple of 8 rows: grouped GEMMs want 16-byte strides in half precision.
             rank = -(-max(p.shape[1] for p in a_parts) // 8) * 8
-            a = pool_rows.new_zeros(layers, len(slots), width_in, rank)
-            b = pool_rows.new_zeros(layers, len(slots), rank, width_out)
+            a = pool_rows.new_zeros(layers, len(slots), width_in, rank, dtype=self.dtype)
+            b = pool_rows.new_zeros(layers, len(slots), rank, width_out, dtype=self.dtype)
             for i, (pa, pb) in enumerate(zip(a_parts, b_parts, strict=True)):
                 a[:, i, :, : pa.shape[1]] = pa.transpose(1, 2)
                 b[:, i, : pb.shape[1]] = pb
             slots_device = torch.tensor(slots, dtype=torch.long, device=pool_rows.device)
             stacks[group] = Stack(slots, a, b, slots_device)
         return stacks
+
+
+# Rows per adapter at or below which each row takes its own matrices (a batched matmul over rows)
+# rather than a grouped GEMM per adapter: decode steps have one or two.
+ROWS_PER_ADAPTER_FOR_BATCHED_ROWS = 4
 
 
 def _group_plan(lora: LoraBatch, stack: Stack) -> GroupPlan:

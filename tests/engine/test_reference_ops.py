@@ -83,14 +83,18 @@ def test_write_kv_touches_only_its_slots() -> None:
     assert memory.sum() == 2 * 2 * 8 * (1 + 2)  # nothing else written, no other layer touched
 
 
-@pytest.mark.parametrize("use_grouped_gemm", [True, False])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("path", ["grouped gemm", "gemm per adapter", "matrices per row"])
+@pytest.mark.parametrize(
+    ("dtype", "stack_dtype"), [(torch.float32,) * 2, (torch.bfloat16,) * 2, (torch.bfloat16, torch.float32)]
+)
 def test_grouped_lora_equals_the_column_masked_one(
-    use_grouped_gemm: bool, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+    path: str, dtype: torch.dtype, stack_dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """lora_grouped (the CPU path) against lora_shrink_expand on the same adapters: ranks 1 to 16,
-    tokens of three adapters interleaved, some tokens without an adapter."""
-    if not use_grouped_gemm:
+    tokens of three adapters interleaved, some tokens without an adapter; by torch's grouped GEMM, a
+    GEMM per adapter, or each row's own matrices (decodes); with the stacks in x's dtype or widened to
+    float32 beside bfloat16 activations (the CPU's choice)."""
+    if path == "gemm per adapter":
         monkeypatch.delattr(torch, "_grouped_mm", raising=False)
     gen = torch.Generator().manual_seed(0)
     ranks, width_in, width_out = [1, 16, 5], 64, 48
@@ -108,8 +112,8 @@ def test_grouped_lora_equals_the_column_masked_one(
     reference.lora_shrink_expand(x, expected, torch.cat(a_list), torch.cat(b_list), columns)
 
     rank = 16
-    a = torch.zeros(3, width_in, rank, dtype=dtype)
-    b = torch.zeros(3, rank, width_out, dtype=dtype)
+    a = torch.zeros(3, width_in, rank, dtype=stack_dtype)
+    b = torch.zeros(3, rank, width_out, dtype=stack_dtype)
     for i, r in enumerate(ranks):
         a[i, :, :r], b[i, :r] = a_list[i].t(), b_list[i]
     order = sorted((s, t) for t, s in enumerate(slots) if s >= 0)
@@ -117,7 +121,9 @@ def test_grouped_lora_equals_the_column_masked_one(
     offsets = torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32)
     rows = torch.tensor([t for _, t in order])
     untouched = got[[1, 6]].clone()
-    reference.lora_grouped(x, got, a, b, rows, offsets, counts)
+    row_groups = torch.tensor([s for s, _ in order]) if path == "matrices per row" else None
+    reference.lora_grouped(x, got, a, b, rows, offsets, counts, row_groups)
+    assert got.dtype == dtype
     tolerance = 1e-5 if dtype == torch.float32 else 5e-2
     torch.testing.assert_close(got, expected, rtol=tolerance, atol=tolerance)
     assert torch.equal(got[[1, 6]], untouched)  # tokens without an adapter are not touched
