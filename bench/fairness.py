@@ -118,7 +118,10 @@ def _free_port() -> int:
 
 def start_server(model: str, scheduling: str, args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
     port = _free_port()
-    env = {**os.environ, "LORAPLEX_INTERNAL_TOKEN": TOKEN}
+    # The load generator (this process, 32 and more streams) runs on the same machine: the server's
+    # torch threads leave it a core, as they would leave the cores of another machine alone. With an
+    # OpenMP team as wide as the machine, every op of a step waits for a thread the client descheduled.
+    env = {**os.environ, "LORAPLEX_INTERNAL_TOKEN": TOKEN, "OMP_NUM_THREADS": str(args.server_threads)}
     command = [
         sys.executable, "-m", "loraplex.cli", "serve", "--model", model, "--device", "cpu",
         "--port", str(port),
@@ -220,6 +223,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--b-prompt", type=int, default=16)
     parser.add_argument("--b-requests", type=int, default=8)
     parser.add_argument("--period", type=float, default=1.0, help="seconds between B's requests")
+    parser.add_argument(
+        "--server-threads",
+        type=int,
+        default=max(1, (os.cpu_count() or 2) - 1),
+        help="the server's torch threads in server mode (default: one core fewer than the machine has, "
+        "left to this process, which generates the load)",
+    )
     parser.set_defaults(run=run)
 
 
@@ -233,6 +243,7 @@ def run(args: argparse.Namespace) -> int:
         f"{scenario.a_prompt}+{scenario.a_tokens} tokens queued, B sends {scenario.b_prompt}+"
         f"{scenario.b_tokens} every {scenario.period} s; max_num_seqs {args.max_num_seqs}, "
         f"max_batch_tokens {args.max_batch_tokens}"
+        + (f", server threads {args.server_threads}" if args.mode == "server" else "")
     )
     results = (run_engine if args.mode == "engine" else run_server)(args, scenario)
     idle = statistics.median(results["idle"])

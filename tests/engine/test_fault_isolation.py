@@ -41,19 +41,13 @@ class Filled:
         return {k: (a.fill_(self.value), b.fill_(self.value)) for k, (a, b) in self.inner.load(dtype).items()}
 
 
-ASYNC_SCHEDULING = ["off"]  # set per test by the fixture below
-
-
-@pytest.fixture(autouse=True, params=["off", "on"])
-def async_scheduling(request: pytest.FixtureRequest) -> str:
-    """Every test runs with the plain loop and pipelined (async scheduling: a fault of step n is seen
-    only after step n+1 was launched, which is then rolled back)."""
-    ASYNC_SCHEDULING[0] = request.param
-    return str(request.param)
+# The fault cases run with the plain loop and pipelined (async scheduling: a launch that raises lands the
+# step in flight first; a non-finite step is seen only after its successor was launched, which is then
+# rolled back).
+BOTH_LOOPS = pytest.mark.parametrize("async_scheduling", ["off", "on"])
 
 
 def tiny_engine(num_adapters: int = 6, **config: Any) -> LLMEngine:
-    config.setdefault("async_scheduling", ASYNC_SCHEDULING[0])
     engine = LLMEngine(EngineConfig(model="random:tiny", device="cpu", num_pages=128, **config))
     base = engine.loaded.config.lora_shape()
     for i in range(num_adapters):
@@ -87,8 +81,9 @@ def count_forwards(engine: LLMEngine) -> list[int]:
     return calls
 
 
+@BOTH_LOOPS
 def test_an_overflowing_adapter_ends_only_its_own_requests(async_scheduling: str) -> None:
-    engine = tiny_engine()
+    engine = tiny_engine(async_scheduling=async_scheduling)
     innocent: list[str | None] = [None, "good0", "good1", "good2", "good3", "good4", "good5", None]
     reference = [o.token_ids for o in run(engine, mixed(innocent)).values()]
 
@@ -153,8 +148,9 @@ def test_nan_weights_are_refused_when_loaded_and_no_step_fails() -> None:
     assert engine.pool.pages_by_kind()["adapter"] == resident_pages
 
 
-def test_a_transient_failure_is_retried_once_and_nothing_fails() -> None:
-    engine = tiny_engine(num_adapters=2)
+@BOTH_LOOPS
+def test_a_transient_failure_is_retried_once_and_nothing_fails(async_scheduling: str) -> None:
+    engine = tiny_engine(num_adapters=2, async_scheduling=async_scheduling)
     names: list[str | None] = [None, "good0", "good1"]
     reference = [o.token_ids for o in run(engine, mixed(names)).values()]
     real, failures = engine.runner.execute, [0]
@@ -170,8 +166,9 @@ def test_a_transient_failure_is_retried_once_and_nothing_fails() -> None:
     assert failures[0] == 1 and not engine.registry.failed
 
 
-def test_a_failure_no_adapter_explains_is_raised_after_one_retry() -> None:
-    engine = tiny_engine(num_adapters=2)
+@BOTH_LOOPS
+def test_a_failure_no_adapter_explains_is_raised_after_one_retry(async_scheduling: str) -> None:
+    engine = tiny_engine(num_adapters=2, async_scheduling=async_scheduling)
     attempts = [0]
 
     def broken(batch: Any) -> Any:
@@ -226,9 +223,10 @@ def test_a_request_that_fits_only_without_its_adapter_is_refused_up_front() -> N
     assert refused.value.param == "max_tokens" and f"adapter {adapter_pages} more" in str(refused.value)
 
 
-def test_non_finite_logits_no_adapter_explains_end_only_their_own_requests() -> None:
+@BOTH_LOOPS
+def test_non_finite_logits_no_adapter_explains_end_only_their_own_requests(async_scheduling: str) -> None:
     """Rows of a batch do not mix, so a base-model request whose logits turn NaN ends alone."""
-    engine = tiny_engine(num_adapters=1)
+    engine = tiny_engine(num_adapters=1, async_scheduling=async_scheduling)
     healthy: list[tuple[list[int], str | None]] = [([6, 7, 8], None), ([9, 10, 11], "good0")]
     reference = [o.token_ids for o in run(engine, healthy).values()]
     poison_token = 500
