@@ -113,15 +113,15 @@ def test_mixed_adapter_batch_matches_peft_under_pressure(smollm2, peft_model) ->
     request_ids = [engine.add_request(prompt, params, adapter=adapter) for prompt, adapter in requests]
     tracked = {i: engine._requests[i] for i in request_ids}
     finished = {}
+    endings = {}  # why each ended: a short reply says whether it stopped or was ended with an error
     while engine.has_unfinished():
         for out in engine.step():
             if out.finished:
                 finished[out.request_id] = out.token_ids
+                endings[out.request_id] = (out.finish_reason, out.error, tracked[out.request_id].adapter)
     assert sum(r.num_preemptions for r in tracked.values()) > 0, "expected KV preemption"
     assert engine.stats().adapter_evictions > 0, "expected adapter evictions"
     for request_id, want in zip(request_ids, expected, strict=True):
-        assert (
-            finished[request_id] == want[: len(finished[request_id])]
-            and len(finished[request_id]) == NEW_TOKENS
-        )
+        got = finished[request_id]
+        assert got == want[: len(got)] and len(got) == NEW_TOKENS, (got, want, endings[request_id])
     assert engine.pool.pages_by_kind()["kv"] == 0
