@@ -20,10 +20,12 @@ from loraplex.engine.lora.synthetic import SyntheticAdapter
 from .tiny_engines import interpreted_graph_engine
 
 # Aten ops of one SmolLM2 (30 layers) decode step's forward on the torch path, graph-ready: measured
-# 1,754 (three base-model decodes), 1,996 with adapters (two of four rows). The budget leaves a little
-# room, so that a change which adds an op per layer (30 more) or more fails here.
+# 1,754 (three base-model decodes), 2,120 with adapters (two of four rows; 1,996 before decode rows took
+# their own LoRA matrices in a batched matmul, one op more per adapted projection and 3-6x less time on
+# the CPU). The budget leaves a little room, so that a change which adds an op per layer (30 more) or
+# more fails here.
 FORWARD_OP_BUDGET = 1_780
-FORWARD_OP_BUDGET_LORA = 2_030
+FORWARD_OP_BUDGET_LORA = 2_150
 # Host reads of a whole decode step: one copy of the sampled tokens with the finite flags.
 STEP_HOST_READS = 1
 
