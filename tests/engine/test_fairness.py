@@ -19,7 +19,7 @@ from loraplex.engine.lora.registry import AdapterRegistry
 from loraplex.engine.pool import PagePool
 from loraplex.engine.request import Request
 from loraplex.engine.sampling_params import SamplingParams
-from loraplex.engine.scheduler import Scheduler
+from loraplex.engine.scheduler import Scheduler, StepPlan
 
 from .test_scheduler import TOKEN, FakeSource, check_pages, load_all
 
@@ -40,10 +40,11 @@ class Run:
         self.scheduler = scheduler
         self.admitted: set[str] = set()
         self.steps = 0
+        self.plan = StepPlan()  # the last step's
 
     def step(self) -> dict[str | None, float]:
         served: dict[str | None, float] = {}
-        plan = self.scheduler.schedule()
+        plan = self.plan = self.scheduler.schedule()
         load_all(self.scheduler.adapters, plan)
         for chunk in plan.chunks:
             request = chunk.request
@@ -58,6 +59,13 @@ class Run:
 
     def waiting_tenants(self) -> set[str | None]:
         return {r.tenant for r in self.scheduler.waiting}
+
+    def flood(self, count: int, prompt: int, tokens: int, steps: int) -> None:
+        """Tenant A queues `count` requests alike, then `steps` steps run."""
+        for i in range(count):
+            self.scheduler.add(make("A", i, prompt, tokens))
+        for _ in range(steps):
+            self.step()
 
 
 def fair_scheduler(pages: int, page_size: int, seqs: int, budget: int, **kwargs) -> Scheduler:
@@ -128,10 +136,7 @@ def test_weights_give_proportional_shares() -> None:
 
 def test_a_newly_active_tenant_goes_before_the_backlogged_one() -> None:
     run = Run(fair_scheduler(pages=64, page_size=4, seqs=2, budget=32))
-    for i in range(10):
-        run.scheduler.add(make("A", i, 8, 3))
-    for _ in range(5):
-        run.step()
+    run.flood(10, prompt=8, tokens=3, steps=5)
     newcomer = make("B", 0, 8, 3)
     run.scheduler.add(newcomer)
     # The next request to join the batch is B's, although A's have waited longer.
@@ -144,14 +149,9 @@ def test_a_newly_active_tenant_goes_before_the_backlogged_one() -> None:
 
 def _first_step_of(run: Run, request: Request) -> list[tuple[str, int]]:
     """Step until `request` is scheduled; return that step's chunks as (request id, tokens)."""
-    while True:
-        plan = run.scheduler.schedule()
-        chunks = [(c.request.request_id, c.num_tokens) for c in plan.chunks]
-        load_all(run.scheduler.adapters, plan)
-        run.scheduler.postprocess(plan, [TOKEN] * len(plan.sampling))
-        run.steps += 1
-        if any(c.request is request for c in plan.chunks):
-            return chunks
+    while not any(c.request is request for c in run.plan.chunks):
+        run.step()
+    return [(c.request.request_id, c.num_tokens) for c in run.plan.chunks]
 
 
 def test_a_newcomers_first_step_carries_no_other_prefill() -> None:
@@ -199,20 +199,14 @@ def test_a_newcomer_takes_a_slot_from_the_tenant_running_the_most() -> None:
 
     def first_step_of_b(light: bool, seqs: int) -> tuple[int, list[str]]:
         run = Run(fair_scheduler(pages=256, page_size=4, seqs=seqs, budget=64, light_newcomer_steps=light))
-        for i in range(6):
-            run.scheduler.add(make("A", i, 8, 30))
-        for _ in range(3):
-            run.step()
+        run.flood(6, prompt=8, tokens=30, steps=3)
         newcomer = make("B", 0, 4, 2)
         run.scheduler.add(newcomer)
         yielded: list[str] = []
         start = run.steps
         while newcomer.num_computed_tokens == 0:
-            plan = run.scheduler.schedule()
-            yielded += [r.request_id for r in plan.preempted]
-            load_all(run.scheduler.adapters, plan)
-            run.scheduler.postprocess(plan, [TOKEN] * len(plan.sampling))
-            run.steps += 1
+            run.step()
+            yielded += [r.request_id for r in run.plan.preempted]
         return run.steps - start, yielded
 
     assert first_step_of_b(light=True, seqs=3) == (1, ["A2"])  # A2 joined last: A0-A2 computed alike
@@ -221,18 +215,14 @@ def test_a_newcomer_takes_a_slot_from_the_tenant_running_the_most() -> None:
     assert first_step_of_b(light=True, seqs=1)[1] == []  # A's only running request keeps its slot
 
     run = Run(fair_scheduler(pages=256, page_size=4, seqs=2, budget=64))
-    for i in range(4):
-        run.scheduler.add(make("A", i, 8, 40))
-    run.step()
+    run.flood(4, prompt=8, tokens=40, steps=1)
     victims, joined = [], []
     for b in range(3):  # B after B, each under-served again by then
         newcomer = make("B", b, 4, 1)
         run.scheduler.add(newcomer)
-        plan = run.scheduler.schedule()
-        victims += [r.request_id for r in plan.preempted]
-        joined.append(newcomer in [c.request for c in plan.chunks])
-        load_all(run.scheduler.adapters, plan)
-        run.scheduler.postprocess(plan, [TOKEN] * len(plan.sampling))
+        run.step()
+        victims += [r.request_id for r in run.plan.preempted]
+        joined.append(newcomer in [c.request for c in run.plan.chunks])
         while not newcomer.finished:
             run.step()
         for _ in range(4):  # the yielded request is back first, and A's service passes B's again
