@@ -61,6 +61,7 @@ class VirtualTokenCounter:
     tenants: dict[Tenant, _TenantState] = field(default_factory=dict)
     sweep_minimum: int = 64  # idle tenants kept before the first sweep (tests set 1 to sweep always)
     _idle: set[Tenant] = field(default_factory=set)  # tenants with nothing queued or running
+    _unserved: set[Tenant] = field(default_factory=set)  # tenants with requests queued and none running
     _sweep_at: int = 0  # sweep the idle tenants when there are this many
     _last_emptied: float = 0.0  # the counter of the last tenant whose queue became empty
     _charged: set[str] = field(default_factory=set)  # requests whose prompt was charged (once)
@@ -91,6 +92,7 @@ class VirtualTokenCounter:
             state.counter = max(state.counter, self._floor(skip=frozenset([request.tenant])))
         state.waiting += 1
         self._idle.discard(request.tenant)
+        self._track_unserved(request.tenant, state)
 
     def _floor(self, skip: frozenset[Tenant] = frozenset()) -> float:
         """What a tenant becoming active is lifted to: the smallest counter of the backlogged tenants
@@ -126,6 +128,7 @@ class VirtualTokenCounter:
         state = self._state(request.tenant)
         self._left_queue(state)
         state.running += 1
+        self._track_unserved(request.tenant, state)
         if request.request_id not in self._charged:
             self._charged.add(request.request_id)
             state.counter += self.prompt_weight * len(request.prompt_token_ids) / request.tenant_weight
@@ -146,18 +149,24 @@ class VirtualTokenCounter:
         else:
             self._left_queue(state)
         self._charged.discard(request.request_id)
+        self._track_unserved(request.tenant, state)
         self._check_idle(request.tenant, state)
+
+    def _track_unserved(self, tenant: Tenant, state: _TenantState) -> None:
+        if state.waiting and not state.running:
+            self._unserved.add(tenant)
+        else:
+            self._unserved.discard(tenant)
 
     def newcomers(self) -> set[Tenant]:
         """Tenants with requests queued, none running, and a counter no larger than that of any tenant
-        with requests running: the under-served whose first chunk the scheduler keeps light."""
+        with requests running: the under-served whose first chunk the scheduler keeps light. Asked every
+        step: nothing to look at (no tenant waits with nothing running) is answered at once."""
+        if not self._unserved:
+            return set()
         running = [s.counter for s in self.tenants.values() if s.running]
         least_served = min(running) if running else float("inf")
-        return {
-            tenant
-            for tenant, state in self.tenants.items()
-            if state.waiting and not state.running and state.counter <= least_served
-        }
+        return {tenant for tenant in self._unserved if self.tenants[tenant].counter <= least_served}
 
     def pick(self, waiting: Iterable[Request], skip: set[Tenant]) -> Request | None:
         """The earliest waiting request of the tenant with the smallest counter, skipping `skip`'s

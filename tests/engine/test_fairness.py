@@ -55,6 +55,9 @@ class Run:
         for request in self.scheduler.postprocess(plan, [TOKEN] * len(plan.sampling)):
             served[request.tenant] = served.get(request.tenant, 0) + W_Q
         self.steps += 1
+        vtc = self.scheduler.fairness
+        if vtc is not None:  # the incrementally kept set the newcomer check reads
+            assert vtc._unserved == {t for t, s in vtc.tenants.items() if s.waiting and not s.running}
         return served
 
     def waiting_tenants(self) -> set[str | None]:
@@ -415,6 +418,8 @@ def test_forgetting_idle_tenants_changes_no_decision(
             assert state.counter == full.tenants[tenant].counter
         active = {t for t, s in full.tenants.items() if s.waiting or s.running}
         assert active <= set(pruned.tenants)
+        for vtc in (pruned, full):  # the incrementally kept set the newcomer check reads, after aborts
+            assert vtc._unserved == {t for t, s in vtc.tenants.items() if s.waiting and not s.running}
         step += 1
         assert step < 2000, "no progress"
 
