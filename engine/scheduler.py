@@ -11,8 +11,10 @@ and the pages of its first chunk; otherwise it waits, and no adapter is loaded f
 
 A step is a plan (`schedule` → StepPlan: the chunks to run, who was preempted, the adapters the loader
 must copy into pages already handed out, the requests refused), then `postprocess(plan, sampled)`:
-advance, append, finish. Plain bookkeeping: no torch and no file access (tests/engine/test_torch_free.py
-proves both), tested on the CPU in milliseconds.
+advance, append, finish. Pipelined (async scheduling), the two halves are apart: `advance(plan)` at
+launch (its sampled tokens are pending: counted, ids unknown), the next plan, then `land(plan,
+sampled)`. Plain bookkeeping: no torch and no file access (tests/engine/test_torch_free.py proves
+both), tested on the CPU in milliseconds.
 """
 
 from __future__ import annotations
