@@ -576,8 +576,7 @@ class LLMEngine:
         pairs = [
             (row, rows[chunk.request.request_id])
             for row, chunk in enumerate(chunks)
-            if chunk.num_tokens == 1
-            and chunk.start >= chunk.request.num_tokens - chunk.request.num_pending_tokens
+            if chunk.num_tokens == 1 and chunk.start >= chunk.request.num_known_tokens
         ]
         if not pairs:
             return

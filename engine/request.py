@@ -93,7 +93,12 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending_tokens
+        return self.num_known_tokens + self.num_pending_tokens
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Tokens whose ids are on the host: all but the pending ones."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
     def num_generated(self) -> int:
@@ -103,7 +108,7 @@ class Request:
     def tokens(self, start: int, end: int) -> list[int]:
         """Tokens [start, end) of prompt + output, without joining the two lists on every decode;
         a pending token reads as PENDING_TOKEN (the step that computes it copies its id on the device)."""
-        known = len(self.prompt_token_ids) + len(self.output_token_ids)
+        known = self.num_known_tokens
         if end > known:
             return self.tokens(start, known) + [PENDING_TOKEN] * (end - max(start, known))
         prompt_len = len(self.prompt_token_ids)

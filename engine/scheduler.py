@@ -149,10 +149,8 @@ class Scheduler:
                 self._held_back.update(request.request_id for request in prefills)
                 return self._finish_plan(out)
             for request in prefills:  # no newcomer could join: the step is an ordinary one after all
-                count = min(request.num_tokens - request.num_computed_tokens, budget)
-                if count > 0 and self._reserve(request, request.num_computed_tokens + count):
-                    out.chunks.append(self._chunk(request, count))
-                    budget -= count
+                if budget > 0 and self._add_chunk(out, request, budget):
+                    budget -= out.chunks[-1].num_tokens
             if blocked:  # a newcomer that may not be passed over again: nobody joins behind it
                 return self._finish_plan(out)
             passed.update(newcomers)  # they were tried
@@ -176,10 +174,8 @@ class Scheduler:
                 held.append(request)
                 index += 1
                 continue
-            count = min(remaining, budget)
-            if self._reserve(request, request.num_computed_tokens + count):
-                out.chunks.append(self._chunk(request, count))
-                budget -= count
+            if self._add_chunk(out, request, budget):
+                budget -= out.chunks[-1].num_tokens
                 index += 1
                 continue
             victim = self.running[-1]  # latest admitted, never one already scheduled this step
@@ -188,6 +184,14 @@ class Scheduler:
             if victim in held:
                 held.remove(victim)
         return budget, held
+
+    def _add_chunk(self, out: StepPlan, request: Request, budget: int) -> bool:
+        """Plan the running request's next chunk within `budget`, if the pool has its pages."""
+        count = min(request.num_tokens - request.num_computed_tokens, budget)
+        if not self._reserve(request, request.num_computed_tokens + count):
+            return False
+        out.chunks.append(self._chunk(request, count))
+        return True
 
     def _admit(self, out: StepPlan, budget: int, passed: set[Tenant], loads: int) -> tuple[int, int, bool]:
         """Waiting requests join while the budget, the batch and the pool allow, in fairness (or
@@ -260,7 +264,7 @@ class Scheduler:
         newcomers = self.fairness.newcomers()
         if not newcomers or len(self.running) < self.max_num_seqs:
             return newcomers
-        ready = [r for r in self.waiting if r.tenant in newcomers and self._adapter_ready(r)]
+        ready = any(r.tenant in newcomers and self._adapter_ready(r) for r in self.waiting)
         victim = self._yielding_request() if ready else None
         if victim is None:
             return set()

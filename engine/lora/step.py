@@ -123,12 +123,7 @@ class LoraStacker:
             return None
         plans: dict[str, GroupPlan] = {}
         for group, stack in self._stacks(lora.adapters).items():
-            plan = plans[group] = _group_plan(lora, stack)
-            if sum(plan.counts) <= ROWS_PER_ADAPTER_FOR_BATCHED_ROWS * len(plan.counts):
-                counts = torch.tensor(plan.counts, device=stack.a.device)
-                plan.row_groups = torch.repeat_interleave(
-                    torch.arange(len(plan.counts), device=stack.a.device), counts
-                )
+            plans[group] = _group_plan(lora, stack)
         return LoraStep(plans)
 
     def _gather(self, names: tuple[str, ...]) -> dict[str, Stack]:
@@ -161,7 +156,7 @@ class LoraStacker:
 ROWS_PER_ADAPTER_FOR_BATCHED_ROWS = 4
 
 
-def _group_plan(lora: LoraBatch, stack: Stack) -> GroupPlan:
+def _grouped_rows(lora: LoraBatch, stack: Stack) -> GroupPlan:
     """The rows of a group's adapters, grouped by adapter, from the batch's rows grouped by slot."""
     if len(stack.slots) == len(lora.adapters):  # every adapter of the step adapts this group
         order = None if lora.in_row_order else lora.order
@@ -173,6 +168,16 @@ def _group_plan(lora: LoraBatch, stack: Stack) -> GroupPlan:
     order = blocks[0] if len(blocks) == 1 else torch.cat(blocks)
     offsets = lora.slot_counts_device.index_select(0, stack.slots_device).cumsum(0, dtype=torch.int32)
     return GroupPlan(stack.a, stack.b, order, offsets, [lora.slot_counts[u] for u in stack.slots])
+
+
+def _group_plan(lora: LoraBatch, stack: Stack) -> GroupPlan:
+    """The group's plan; when its rows are few per adapter (decodes), also each row's adapter."""
+    plan = _grouped_rows(lora, stack)
+    if sum(plan.counts) <= ROWS_PER_ADAPTER_FOR_BATCHED_ROWS * len(plan.counts):
+        device = stack.a.device
+        counts = torch.tensor(plan.counts, device=device)
+        plan.row_groups = torch.repeat_interleave(torch.arange(len(plan.counts), device=device), counts)
+    return plan
 
 
 class KernelLoraStep:
