@@ -14,6 +14,9 @@ from .offline import make_prompts
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument(
+        "--quantization", default="none", help="the base model's weights: none, int8, int4..."
+    )
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--model", default=None)
     parser.add_argument("--top", type=int, default=12)
@@ -23,7 +26,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from loraplex.engine import EngineConfig, LLMEngine, SamplingParams
 
-    engine = LLMEngine(EngineConfig(model=args.model, device="cpu", dtype=args.dtype))
+    engine = LLMEngine(
+        EngineConfig(model=args.model, device="cpu", dtype=args.dtype, quantization=args.quantization)
+    )
     vocab = engine.loaded.config.vocab_size
     params = SamplingParams(max_tokens=128, temperature=0.0, ignore_eos=True)
     for prompt in make_prompts(args.requests, 16, 400, vocab, seed=0):
@@ -44,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
     events = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
     total = sum(e.self_cpu_time_total for e in events) / args.steps / 1e3
     print(
-        f"decode step, {len(scheduler.running)} sequences, {args.dtype}: "
+        f"decode step, {len(scheduler.running)} sequences, {args.dtype}, quantization {args.quantization}: "
         f"{wall:.1f} ms wall, {total:.1f} ms in ops"
     )
     print(f"{'op':<40}{'ms/step':>9}{'share':>8}{'calls/step':>12}")
