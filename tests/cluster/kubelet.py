@@ -228,6 +228,9 @@ class PodRuntime:
             "env": env,
             "argv": argv,
             "cwd": container.get("workingDir") or str(self.kubelet.workdir),
+            # The "image": this checkout and its venv. A real image keeps its code outside any volume, so a
+            # volume mounted above them (an emptyDir at /tmp with the checkout under /tmp) must not hide them.
+            "image_paths": [str(self.kubelet.workdir), str(Path(sys.prefix))],
             "termination_log": str(termination),
         }
 

@@ -31,21 +31,44 @@ def private_dev() -> None:
         os.symlink(target, f"/dev/{name}")
 
 
+def covers(target: str, path: str) -> bool:
+    """Whether a volume mounted at `target` hides `path` (it is `path` or one of its folders)."""
+    return os.path.commonpath([target, path]) == os.path.normpath(target)
+
+
+def restore(path: str, fd: int) -> None:
+    """Bind an image path back over the volume that hid it, as an image's own files stay visible.
+
+    The mount point is made inside the volume; a read-only volume cannot hold one, and says so.
+    """
+    os.makedirs(path, exist_ok=True)
+    subprocess.run(
+        ["mount", "--no-canonicalize", "--bind", f"/proc/self/fd/{fd}", path], check=True, pass_fds=[fd]
+    )
+
+
 def main(spec_path: str) -> None:
     with open(spec_path) as handle:
         spec = json.load(handle)
     private_dev()
     # Every source is opened before anything is mounted: a volume at /tmp must not hide a source under /tmp.
     sources = [os.open(source, os.O_PATH) for source, _, _ in spec["mounts"]]
+    image_paths = [(path, os.open(path, os.O_PATH)) for path in spec.get("image_paths", [])]
     for fd, (source, target, read_only) in zip(sources, spec["mounts"], strict=True):
         if target.startswith("/dev/") and not os.path.exists(target):  # inside the private /dev
             if os.path.isdir(source):
                 os.makedirs(target)
             else:
                 open(target, "w").close()
-        subprocess.run(["mount", "--bind", f"/proc/self/fd/{fd}", target], check=True, pass_fds=[fd])
+        subprocess.run(
+            ["mount", "--no-canonicalize", "--bind", f"/proc/self/fd/{fd}", target], check=True, pass_fds=[fd]
+        )
         if read_only:
             subprocess.run(["mount", "-o", "remount,bind,ro", target], check=True)
+    targets = [target for _, target, _ in spec["mounts"]]
+    for path, fd in image_paths:
+        if any(covers(target, path) for target in targets):
+            restore(path, fd)
     os.chdir(spec["cwd"])
     argv = spec["argv"]
     try:

@@ -5,6 +5,7 @@ nothing left behind after a stop."""
 from __future__ import annotations
 
 import base64
+import json
 import os
 import subprocess
 import sys
@@ -315,3 +316,38 @@ def test_sweep_undoes_what_a_killed_run_recorded(tmp_path: Path) -> None:
     finally:
         bystander.kill()
         daemon.kill()
+
+
+def test_a_volume_over_the_checkout_s_folder_leaves_the_image_visible(tmp_path: Path) -> None:
+    """A checkout under /tmp and a pod with an emptyDir at /tmp (the chart's engine pods have one): the pod
+    still finds its "image" (the checkout, its cwd), and the volume still shadows everything else there."""
+    parent = tmp_path / "shadowed"
+    checkout = parent / "checkout"
+    checkout.mkdir(parents=True)
+    (checkout / "marker").write_text("image\n")
+    (parent / "host-only").write_text("hidden by the volume")
+    (parent / "secret").mkdir()
+    (parent / "secret" / "token").write_text("secret\n")  # a volume's source that the first volume hides
+    volume = tmp_path / "empty-dir"
+    volume.mkdir()
+    secret_at = tmp_path / "secret-at"
+    secret_at.mkdir()
+    spec = {
+        "mounts": [[str(volume), str(parent), False], [str(parent / "secret"), str(secret_at), True]],
+        "image_paths": [str(checkout)],
+        "cwd": str(checkout),
+        "argv": ["sh", "-c", f"cat marker {secret_at}/token; ls {parent}"],
+        "env": {"PATH": os.environ["PATH"]},
+        "termination_target": str(tmp_path / "termination"),
+    }
+    spec_path = tmp_path / "spec.json"
+    spec_path.write_text(json.dumps(spec))
+    podinit = Path(__file__).with_name("podinit.py")
+    run = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", sys.executable, str(podinit), str(spec_path)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == ["image", "secret", "checkout"]
