@@ -47,6 +47,7 @@ from ..db.models import Adapter, AdapterStatus, Artifact, Deployment, StorageUsa
 from ..schemas import AdapterPublic, StorageUsagePublic
 from . import deployments
 from .errors import Conflict, Forbidden, Invalid, NotFound, ServiceError, TooLarge
+from .failure_reason import public_reason
 from .tenants import quota_of
 from .uploads import UploadedFile, unpack
 
@@ -323,14 +324,15 @@ def fail_interrupted_uploads(session: Session, now: dt.datetime | None = None) -
     return _rowcount(result)
 
 
-def mark_failed(session: Session, sha256: str, reason: str) -> int:
-    """An engine refused these weights at run time (adapter_failed): every ready adapter with this digest
-    is failed with the engine's reason (they are the same bytes, and the engine now refuses the digest),
-    and the gateway stops routing them. How many rows changed."""
+def mark_failed(session: Session, adapter_id: uuid.UUID, reason: str) -> int:
+    """An engine refused this adapter at run time (adapter_failed): it is failed with the engine's reason,
+    stripped of ids (failure_reason.public_reason), and the gateway stops routing it. Only this row: other
+    adapters with the same digest (another tenant's upload of the same bytes) were not what failed, and
+    their engine names are checked on their own next use. How many rows changed (0 or 1)."""
     result = session.execute(
         update(Adapter)
-        .where(Adapter.sha256 == sha256, Adapter.status == AdapterStatus.READY)
-        .values(status=AdapterStatus.FAILED, error=error_text(reason))
+        .where(Adapter.id == adapter_id, Adapter.status == AdapterStatus.READY)
+        .values(status=AdapterStatus.FAILED, error=error_text(public_reason(reason)))
         .execution_options(synchronize_session=False)
     )
     session.commit()

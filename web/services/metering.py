@@ -18,6 +18,7 @@ from fastapi.concurrency import run_in_threadpool
 
 from ..db.session import Database
 from . import adapters, gateway, quotas, usage
+from .in_flight import InFlight, Ticket
 from .keys import Principal
 from .tenants import quota_of
 
@@ -38,9 +39,12 @@ class Call:
         target: gateway.Target,
         endpoint: str,
         clock: Callable[[], float],
+        in_flight: InFlight,
     ):
         self.db, self.principal, self.target, self.endpoint = db, principal, target, endpoint
         self.clock = clock
+        self.in_flight = in_flight
+        self.ticket: Ticket | None = None  # its place in flight, from admission until it finishes
         self.started = time.monotonic()
         self.started_at = clock()
         self.ledger: quotas.Ledger | None = None
@@ -49,11 +53,18 @@ class Call:
         self._finished = False
 
     def admit(self, prompt_tokens: int, completion_limit: int) -> None:
+        """A place in flight (Busy if the tenant's or key's cap, or its upstream share, is reached), then
+        the quota's reservation (QuotaExceeded gives the place back)."""
         with self.db.session() as session:
             quota = quota_of(session, self.principal.tenant_id)
-            self.ledger = quotas.admit(
-                session, self.principal.tenant_id, quota, prompt_tokens, completion_limit, self.clock()
-            )
+            self.ticket = self.in_flight.enter(self.principal, quota.max_in_flight)
+            try:
+                self.ledger = quotas.admit(
+                    session, self.principal.tenant_id, quota, prompt_tokens, completion_limit, self.clock()
+                )
+            except BaseException:
+                self.ticket.release()
+                raise
 
     def start_ticker(self) -> None:
         """On the event loop, once admitted: follow the minutes while the request runs."""
@@ -113,6 +124,8 @@ class Call:
         if self._finished:
             return
         self._finished = True
+        if self.ticket is not None:  # first: the place is free before the database writes below
+            self.ticket.release()
         with anyio.CancelScope(shield=True):
             if self._ticker is not None:
                 self._ticker.cancel()
@@ -129,8 +142,8 @@ class Call:
     def _record(self, status: str, prompt: int, completion: int, exact: bool, cached: int = 0) -> None:
         try:
             with self.db.session() as session:
-                if self.adapter_error is not None and self.target.adapter_sha256:
-                    adapters.mark_failed(session, self.target.adapter_sha256, self.adapter_error)
+                if self.adapter_error is not None and self.target.adapter_id is not None:
+                    adapters.mark_failed(session, self.target.adapter_id, self.adapter_error)
                 usage.record(
                     session,
                     usage.Usage(
