@@ -98,6 +98,7 @@ class AdapterRegistry:
         self._num_draining = 0
         # Registered and draining adapters by name, for other threads: replaced whole, never changed.
         self.view: Mapping[str, AdapterFacts] = MappingProxyType({})
+        self.largest_pages = 0  # pages of the largest adapter registered or draining (metrics), with the view
         pool.add_evictable(self)  # unused adapters give way to the KV cache, LRU with cached prefixes
 
     # -- what the engine asks -----------------------------------------------------------------------
@@ -188,6 +189,36 @@ class AdapterRegistry:
             self._drop(entry)
         self._publish()
         log.warning("adapter %s is refused from now on: %s", name, reason)
+
+    def warm(self, name: str) -> AdapterLoad | None:
+        """Place `name` in the pool ahead of its requests (a pod that joins the adapter's replica set loads
+        it before it takes the adapter's traffic). It stays unreferenced, the most recently used of the idle
+        adapters, so it gives way like any of them. The copy still to make, or None: resident and loaded
+        already, or no pages to be had without taking them from a request (its host copy has to do then).
+        AdapterError if it is not registered or is refused."""
+        entry = self._entries.get(name)
+        if entry is None or entry.draining:
+            raise AdapterError(f"adapter {name!r} is not registered")
+        if name in self.failed:
+            raise AdapterError(f"adapter {name!r} is refused: {self.failed[name]}")
+        if not entry.resident:
+            if not self._place(entry):
+                return None
+            self._unused[name] = self.pool.tick()
+        elif name in self._unused:
+            self._unused[name] = self.pool.tick()
+            self._unused.move_to_end(name)
+        if entry.loaded:
+            return None
+        assert entry.pages is not None
+        return AdapterLoad(name, list(entry.pages), entry.source)
+
+    def unwarm(self, name: str) -> None:
+        """A warm load that failed without the adapter being at fault: give its pages back unless a request
+        holds them (then that request's step tries the load again)."""
+        entry = self._entries.get(name)
+        if entry is not None and entry.resident and not entry.loaded and not entry.references:
+            self._drop(entry)
 
     # -- what the scheduler calls -------------------------------------------------------------------
 
@@ -291,6 +322,7 @@ class AdapterRegistry:
                 for name, entry in self._entries.items()
             }
         )
+        self.largest_pages = max((entry.num_pages for entry in self._entries.values()), default=0)
 
     def _place(self, entry: AdapterEntry) -> bool:
         if self.max_resident is not None and len(self._resident) >= self.max_resident:
