@@ -48,6 +48,7 @@ from .runner import ModelRunner
 from .sampler import StepSample, sample_step
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledChunk, Scheduler, StepPlan
+from .server.limits import LimitExceeded
 from .stats import AdapterFacts, AdapterInfo, EngineStats
 from .stopping import StopChecker, next_delta
 from .warmup import warm_up
@@ -296,6 +297,7 @@ class LLMEngine:
             ids = self.tokenizer.encode(prompt)
         else:
             text, ids = None, [int(t) for t in prompt]
+        self._check_sampling(params)
         self._check_prompt(ids, params, adapter)
         arrival = next(self._arrivals)
         request_id = request_id or f"req-{arrival}"
@@ -334,6 +336,21 @@ class LLMEngine:
             raise UnknownAdapterError(f"adapter {name!r} is not registered")
         if name in self.registry.failed:
             raise RefusedAdapterError(f"adapter {name!r} cannot be served: {self.registry.failed[name]}")
+
+    def _check_sampling(self, params: SamplingParams) -> None:
+        """What only this model bounds (SamplingParams checked the rest against the shared limits):
+        top_k and the logprob alternatives are counts of tokens, at most the vocabulary."""
+        vocab = self.loaded.config.vocab_size
+        if params.top_k > vocab:
+            raise LimitExceeded(
+                "top_k",
+                f"top_k must be at most {vocab}, this model's vocabulary (0: no limit), got {params.top_k}",
+            )
+        if params.logprobs is not None and params.logprobs > vocab:
+            raise LimitExceeded(
+                "logprobs",
+                f"logprobs must be at most {vocab}, this model's vocabulary, got {params.logprobs}",
+            )
 
     def _check_prompt(self, ids: list[int], params: SamplingParams, adapter: str | None = None) -> None:
         if not ids:
@@ -475,7 +492,7 @@ class LLMEngine:
             if failed is not None:
                 raise failed
             logits, finite = self._launch(plan.chunks)
-            sampled = sample_step(logits, plan.sampling, finite)
+            sampled = self._sample(plan, logits, finite, outputs)
             # The step's one device-to-host copy: tokens, finite flags, logprobs. Rows that are not
             # finite fail the step before any token or logprob lands on a request.
             self._check_finite(plan.chunks, sampled.finite())
@@ -483,7 +500,10 @@ class LLMEngine:
             plan.chunks, survived = self._isolate_fault(plan.chunks, error, outputs)
             if survived is None:
                 return outputs
-            sampled = sample_step(survived, plan.sampling)
+            try:
+                sampled = self._sample(plan, survived, None, outputs)
+            except Exception as still:  # no row explains it: the step's failure, after what it ended
+                raise StepError(still, outputs) from still
         tokens = sampled.resolve()  # logprobs and kept logits land on the requests
         return outputs + self._outputs_of(self.scheduler.postprocess(plan, tokens))
 
@@ -616,6 +636,44 @@ class LLMEngine:
             return rest, self._forward(rest) if rest else None
         except Exception as still:
             raise StepError(still, outputs) from still
+
+    def _sample(
+        self, plan: StepPlan, logits: torch.Tensor, finite: torch.Tensor | None, outputs: list[RequestOutput]
+    ) -> StepSample:
+        """sample_step over the plan's sampling rows of logits [S, V] (`finite` [S]: the step's unread
+        finite flags, if any), inside each request's fault domain: sampling is per request, so if it
+        raises, each row is sampled alone; the requests whose rows fail end (engine_error, with the
+        reason, appended to `outputs`) and leave the plan, and the others are sampled without them,
+        drawing what they would have drawn. A failure no row explains alone is raised."""
+        requests = plan.sampling
+        try:
+            return sample_step(logits, requests, finite)
+        except Exception as error:
+            reasons = {i: self._sampling_failure(logits[i : i + 1], r) for i, r in enumerate(requests)}
+            failing = {i: why for i, why in reasons.items() if why is not None}
+            if not failing:
+                raise
+            log.warning("sampling a step failed (%s: %s)", type(error).__name__, error)
+        for i, why in failing.items():
+            message = f"sampling failed for this request ({why}); check its sampling parameters"
+            outputs.extend(self._end_with_error([requests[i]], message, ENGINE_ERROR))
+            log.warning("sampling failed for %s: %s", requests[i].request_id, why)
+        ended = {requests[i].request_id for i in failing}
+        plan.chunks = [c for c in plan.chunks if c.request.request_id not in ended]
+        kept = [i for i in range(len(requests)) if i not in failing]
+        rows = torch.tensor(kept, dtype=torch.int64, device=logits.device)
+        rest = None if finite is None else finite.index_select(0, rows)
+        return sample_step(logits.index_select(0, rows), plan.sampling, rest)
+
+    @staticmethod
+    def _sampling_failure(row: torch.Tensor, request: Request) -> str | None:
+        """Why sampling logits row [1, V] for `request` alone raises (None: it does not), up to the copy
+        to the host, where a device reports its errors."""
+        try:
+            sample_step(row, [request]).wait()
+        except Exception as error:
+            return f"{type(error).__name__}: {error}"
+        return None
 
     def _fail_rows(
         self, chunks: list[ScheduledChunk], bad: NonFiniteLogits, outputs: list[RequestOutput]

@@ -131,6 +131,11 @@ class StepSample:
             self._values = self.packed.tolist()  # the one device-to-host copy
         return self._values
 
+    def wait(self) -> None:
+        """Make the step's one copy now (resolve() reuses it): an error the device reports is raised
+        here. Appends nothing to the requests."""
+        self._copy()
+
     def finite(self) -> list[bool]:
         """Whether each row's logits were finite, from the same copy as the tokens (all True when
         sample_step was given no flags). Appends nothing to the requests: check it before resolve()."""

@@ -1,10 +1,14 @@
-"""What a request asks of generation; validated once, when it is made."""
+"""What a request asks of generation; validated once, when it is made, against the shared limits."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-MAX_LOGPROBS = 20
+from .server import limits
+
+# Where the engine's range differs from the wire's: top_k -1 (no limit) is mapped to 0 before a
+# SamplingParams is made.
+_TOP_K = limits.Range(0, limits.MAX_TOP_K, integer=True)
 
 
 @dataclass(frozen=True)
@@ -22,24 +26,25 @@ class SamplingParams:
     logprobs: int | None = None  # None: none; k: the sampled token's log-probability and the k most likely
 
     def __post_init__(self) -> None:
+        """Every number in the range of engine/server/limits.py (the bounds the HTTP API checks first), so
+        no caller of the offline API hands the sampler a value it would overflow on: a LimitExceeded
+        (a ValueError) naming the field otherwise. The engine checks top_k and logprobs against its
+        vocabulary when the request is added."""
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if not 0.0 <= self.temperature <= 100.0:
-            raise ValueError(f"temperature must be between 0 and 100, got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be 0 (no limit) or positive, got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not 0.0 <= self.min_p <= 1.0:  # also refuses NaN
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}")
+        limits.check_stop(list(self.stop))
         if any(not s for s in self.stop):
-            raise ValueError("stop strings must not be empty")
+            raise limits.LimitExceeded("stop", "stop strings must not be empty")
+        limits.check_stop_token_ids(tuple(self.stop_token_ids))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        limits.check_number("max_tokens", self.max_tokens)
+        limits.check_number("temperature", self.temperature)
+        limits.check_number("top_k", self.top_k, _TOP_K)
+        limits.check_number("top_p", self.top_p)
+        limits.check_number("min_p", self.min_p)
+        limits.check_number("seed", self.seed)
+        limits.check_number("logprobs", self.logprobs, limits.LOGPROBS)
 
     @property
     def greedy(self) -> bool:

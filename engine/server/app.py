@@ -361,8 +361,6 @@ class ServerState:
         adapter: str | None = None,
     ) -> SamplingParams:
         """Sampling parameters, with the context checks a client can act on (400s naming the limits)."""
-        from loraplex.engine.sampling_params import SamplingParams
-
         engine = self.serving()
         context = engine.max_model_len
         if prompt_len >= context:
@@ -384,19 +382,9 @@ class ServerState:
             pool_tokens = engine.pool_tokens - (known.pages if known else 0) * engine.page_size
             limit = max(1, min(context, pool_tokens, limits.MAX_COMPLETION_TOKENS) - prompt_len)
         try:
-            return SamplingParams(
-                max_tokens=limit,
-                temperature=sampling_temperature(body.temperature),
-                top_p=1.0 if body.top_p is None else body.top_p,
-                top_k=max(0, body.top_k or 0),
-                min_p=body.min_p or 0.0,
-                seed=body.seed,
-                stop=body.stop_strings(),
-                ignore_eos=body.ignore_eos,
-                logprobs=logprobs,
-            )
-        except ValueError as exc:
-            raise bad_request(str(exc)) from exc
+            return body.sampling_params(limit, logprobs)
+        except ValueError as exc:  # limits.LimitExceeded among them: it names the field
+            raise bad_request(str(exc), getattr(exc, "param", None), limit_code(exc)) from exc
 
     async def submit(self, job: Job) -> RequestStream:
         engine = self.serving()
@@ -419,7 +407,7 @@ class ServerState:
         except AdapterFailed as exc:  # before ValueError: an AdapterError is one
             raise adapter_failed(f"adapter {job.model!r}: {exc}") from exc
         except ValueError as exc:  # the engine's own checks (pool size, vocabulary) name the limit
-            raise bad_request(str(exc), getattr(exc, "param", None)) from exc
+            raise bad_request(str(exc), getattr(exc, "param", None), limit_code(exc)) from exc
         except EngineUnavailable as exc:
             raise OpenAIError(
                 503, str(exc), wire.SERVER_ERROR, wire.NOT_READY, headers={"Retry-After": str(RETRY_AFTER_S)}
@@ -642,11 +630,9 @@ def _add_adapter_routes(app: FastAPI, state: ServerState) -> None:
         return wire.Unregistered(name=name, deleted=True, draining=not forgotten)
 
 
-def sampling_temperature(requested: float | None) -> float:
-    """OpenAI's default is 1; a temperature too small to divide by safely means greedy."""
-    if requested is None:
-        return 1.0
-    return 0.0 if requested < limits.MIN_SAMPLING_TEMPERATURE else requested
+def limit_code(exc: ValueError) -> str | None:
+    """The error code of a refused value: limit_exceeded for a bound of limits.py, none for the rest."""
+    return wire.LIMIT_EXCEEDED if isinstance(exc, limits.LimitExceeded) else None
 
 
 def token_matches(presented: str, token: SecretStr) -> bool:

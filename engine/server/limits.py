@@ -1,9 +1,11 @@
 """What one generation request may ask of an engine: the caps every tenant-controlled field is held to.
 
 One tenant's request must not slow every other tenant's stream or take the replica down, so each
-field whose cost grows with its size is bounded here, and a request over a bound is refused with a
-4xx that names the field before any work is done. The gateway checks the same numbers before it
-forwards a request (it imports this module), so a tenant meets the same limit on both hops.
+field whose cost grows with its size is bounded here, and so is every number that reaches the sampler
+(NUMBER_FIELDS): a request over a bound is refused with a 4xx that names the field before any work is
+done. The gateway checks the same numbers before it forwards a request (it imports this module), the
+engine's request schema checks them again, and SamplingParams (the engine's offline API) once more, so
+a tenant meets the same limit on every hop and no hop trusts the one before.
 
 Plain constants and pure functions over JSON-like values: no torch, no pydantic, no web framework,
 so the control plane can import it without the engine's dependencies.
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 # The whole request body, in bytes. A context of 32k tokens of text is about 128 KiB; token ids as JSON
@@ -28,6 +31,18 @@ MAX_LOGIT_BIAS_ENTRIES = 300
 LOGIT_BIAS_MIN = -100.0
 LOGIT_BIAS_MAX = 100.0
 MAX_TOKEN_ID = 2**31 - 1  # keys are token ids: decimal strings no longer than this number
+
+# Sampling. Every numeric field a request may carry has its range here (NUMBER_FIELDS below), checked on
+# the raw JSON value before it is converted: the sampler packs its settings into float32 and takes top-k as
+# an int64, so a value outside these ranges (top_k 2**63-1, 10**400) would overflow there.
+MAX_TEMPERATURE = 2.0  # OpenAI's range
+# Above every vocabulary we know of (Gemma 3 has 262,144 tokens) and exact in float32, which holds integers
+# up to 2**24; the engine refuses a top_k over its own vocabulary as well.
+MAX_TOP_K = 1 << 20
+MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed takes
+MAX_LOGPROBS = 20  # OpenAI's: alternatives per token (completions' `logprobs`, chat's `top_logprobs`)
+MAX_PENALTY = 2.0  # presence and frequency penalties: OpenAI's range (this engine takes only 0)
+MAX_STOP_TOKEN_IDS = 16  # the offline API's stop_token_ids: checked after every token like stop strings
 
 # Temperatures above zero but below this are greedy (as in vLLM): dividing logits by 1e-300 overflows
 # them to infinity, and sampling from that raises, failing the step of every tenant in the batch.
@@ -52,6 +67,87 @@ class LimitExceeded(ValueError):
     def __init__(self, param: str, message: str):
         super().__init__(message)
         self.param = param
+
+
+@dataclass(frozen=True)
+class Range:
+    """The values a numeric field may take: [low, high] (low excluded when `low_open`), whole numbers
+    only when `integer`."""
+
+    low: float
+    high: float
+    integer: bool = False
+    low_open: bool = False
+
+
+# Every numeric field of a generation request, as OpenAI (and vLLM, for top_k and min_p) names it. A field
+# that means something else on another endpoint is checked there: chat's `logprobs` is a boolean, and
+# completions' `logprobs` is LOGPROBS.
+LOGPROBS = Range(0, MAX_LOGPROBS, integer=True)
+COMPLETION_TOKENS = Range(1, MAX_COMPLETION_TOKENS, integer=True)
+NUMBER_FIELDS: dict[str, Range] = {
+    "temperature": Range(0.0, MAX_TEMPERATURE),
+    "top_p": Range(0.0, 1.0, low_open=True),
+    "top_k": Range(-1, MAX_TOP_K, integer=True),  # 0 or -1: no limit (vLLM's spelling)
+    "min_p": Range(0.0, 1.0),
+    "seed": Range(MIN_SEED, MAX_SEED, integer=True),
+    "max_tokens": COMPLETION_TOKENS,
+    "max_completion_tokens": COMPLETION_TOKENS,
+    "n": Range(1, MAX_CHOICES, integer=True),
+    "best_of": Range(1, 1, integer=True),
+    "top_logprobs": LOGPROBS,
+    "presence_penalty": Range(-MAX_PENALTY, MAX_PENALTY),
+    "frequency_penalty": Range(-MAX_PENALTY, MAX_PENALTY),
+}
+
+
+def _shown(value: float) -> str:
+    """A number for an error message: a huge integer is not spelled out (str() refuses past 4300 digits)."""
+    if isinstance(value, int) and value.bit_length() > 128:
+        return f"an integer of {value.bit_length()} bits"
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def check_number(param: str, value: object, bound: Range | None = None) -> None:
+    """`value` is absent (None) or a JSON number in the field's range (NUMBER_FIELDS[param] unless
+    `bound` is given): booleans, strings and non-finite floats are refused, integers compared exactly
+    (10**400 never becomes a float on the way)."""
+    if value is None:
+        return
+    bound = bound or NUMBER_FIELDS[param]
+    kind = "an integer" if bound.integer else "a number"
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise LimitExceeded(param, f"{param} must be {kind}, got {type(value).__name__}")
+    if bound.integer and not isinstance(value, int):
+        raise LimitExceeded(param, f"{param} must be {kind}, got {_shown(value)}")
+    low, high = (int(bound.low), int(bound.high)) if bound.integer else (bound.low, bound.high)
+    # math.isfinite would convert a huge integer to float (OverflowError): integers are finite anyway.
+    finite = isinstance(value, int) or math.isfinite(value)
+    if not (finite and low <= value <= high and not (bound.low_open and value == low)):
+        if bound.low_open:
+            span = f"in ({_shown(low)}, {_shown(high)}]"
+        else:
+            span = _shown(low) if low == high else f"between {_shown(low)} and {_shown(high)}"
+        raise LimitExceeded(param, f"{param} must be {span}, got {_shown(value)}")
+
+
+def check_numbers(body: Mapping[str, Any]) -> None:
+    """check_number on each field of NUMBER_FIELDS that `body` holds."""
+    for param, bound in NUMBER_FIELDS.items():
+        check_number(param, body.get(param), bound)
+
+
+def check_stop_token_ids(ids: object) -> None:
+    """The offline API's `stop_token_ids`: at most MAX_STOP_TOKEN_IDS token ids."""
+    if not isinstance(ids, list | tuple):
+        raise LimitExceeded("stop_token_ids", "stop_token_ids must be a list of token ids")
+    if len(ids) > MAX_STOP_TOKEN_IDS:
+        raise LimitExceeded(
+            "stop_token_ids",
+            f"stop_token_ids has {len(ids)} entries; at most {MAX_STOP_TOKEN_IDS} are allowed",
+        )
+    for token in ids:
+        check_number("stop_token_ids", token, Range(0, MAX_TOKEN_ID, integer=True))
 
 
 def check_stop(stop: object) -> None:
@@ -96,19 +192,6 @@ def check_logit_bias(bias: Mapping[Any, Any] | None) -> None:
                 f"logit_bias[{text}] is {value}; values must be between {LOGIT_BIAS_MIN:g} and "
                 f"{LOGIT_BIAS_MAX:g}",
             )
-
-
-def check_choices(n: int | None) -> None:
-    if n is not None and not 1 <= n <= MAX_CHOICES:
-        raise LimitExceeded(
-            "n", f"n={n} is not supported: this server returns {MAX_CHOICES} choice per request"
-        )
-
-
-def check_completion_tokens(param: str, value: int | None) -> None:
-    """`max_tokens` / `max_completion_tokens`: at least 1, at most MAX_COMPLETION_TOKENS."""
-    if value is not None and not 1 <= value <= MAX_COMPLETION_TOKENS:
-        raise LimitExceeded(param, f"{param} is {value}; it must be between 1 and {MAX_COMPLETION_TOKENS}")
 
 
 def check_prompt_tokens(param: str, count: int) -> None:

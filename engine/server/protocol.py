@@ -14,16 +14,16 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from loraplex import wire
+from loraplex.engine.sampling_params import SamplingParams
 
 from . import limits
 
 if TYPE_CHECKING:
     from loraplex.engine.request import TokenLogprob
 
-MAX_LOGPROBS = 20
 # JSON has no -inf; OpenAI reports impossible tokens at this floor too.
 LOGPROB_FLOOR = -9999.0
 
@@ -65,13 +65,14 @@ class _GenerationRequest(BaseModel):
     # Unknown fields (user, metadata, store, ...) are ignored, as OpenAI ignores what does not apply.
     model_config = ConfigDict(extra="ignore")
 
+    # Numbers: each range is in limits.NUMBER_FIELDS, checked by _bounded_number on the raw JSON value.
     model: str = Field(min_length=1, max_length=512)
-    max_tokens: int | None = Field(default=None, ge=1, le=limits.MAX_COMPLETION_TOKENS)
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=-1, description="0 or -1: no limit (an extension, as in vLLM)")
-    min_p: float | None = Field(default=None, ge=0.0, le=1.0, description="an extension, as in vLLM")
-    seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = Field(default=None, description="0 or -1: no limit (an extension, as in vLLM)")
+    min_p: float | None = Field(default=None, description="an extension, as in vLLM")
+    seed: int | None = None
     stop: str | list[str] | None = None
     n: int | None = None
     stream: bool = False
@@ -83,6 +84,17 @@ class _GenerationRequest(BaseModel):
 
     # The caps of limits.py, checked on the raw JSON before pydantic converts (and so pays for) every
     # element; a LimitExceeded reaches the client as a 400 naming the field (see app.py).
+    @field_validator(
+        "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "n", "presence_penalty",
+        "frequency_penalty", mode="before",
+    )  # fmt: skip
+    @classmethod
+    def _bounded_number(cls, value: Any, info: ValidationInfo) -> Any:
+        # A JSON number within its range, nothing pydantic would coerce ("5", true, 5.0 for an integer).
+        assert info.field_name is not None
+        limits.check_number(info.field_name, value)
+        return value
+
     @field_validator("stop", mode="before")
     @classmethod
     def _bounded_stop(cls, value: Any) -> Any:
@@ -96,12 +108,6 @@ class _GenerationRequest(BaseModel):
             limits.check_logit_bias(value)
         return value
 
-    @field_validator("n")
-    @classmethod
-    def _bounded_choices(cls, value: int | None) -> int | None:
-        limits.check_choices(value)
-        return value
-
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
@@ -110,6 +116,22 @@ class _GenerationRequest(BaseModel):
         if self.stop is None:
             return ()
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        """What the engine is asked for: this body's fields (checked against limits.py already) in the
+        engine's terms, OpenAI's defaults for those not given. ValueError (a LimitExceeded naming the
+        field) if they break SamplingParams' own checks."""
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=sampling_temperature(self.temperature),
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=max(0, self.top_k or 0),  # -1 is vLLM's spelling of 0: no limit
+            min_p=self.min_p or 0.0,
+            seed=self.seed,
+            stop=self.stop_strings(),
+            ignore_eos=self.ignore_eos,
+            logprobs=logprobs,
+        )
 
     def refuse_unsupported(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):
@@ -121,12 +143,28 @@ class _GenerationRequest(BaseModel):
             raise bad_request("stream_options is only allowed when stream is true", "stream_options")
 
 
+def sampling_temperature(requested: float | None) -> float:
+    """OpenAI's default is 1; a temperature too small to divide by safely means greedy."""
+    if requested is None:
+        return 1.0
+    return 0.0 if requested < limits.MIN_SAMPLING_TEMPERATURE else requested
+
+
 class CompletionRequest(_GenerationRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+
+    @field_validator("logprobs", "best_of", mode="before")
+    @classmethod
+    def _bounded_completion_number(cls, value: Any, info: ValidationInfo) -> Any:
+        assert info.field_name is not None
+        limits.check_number(
+            info.field_name, value, limits.LOGPROBS if info.field_name == "logprobs" else None
+        )
+        return value
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -202,12 +240,19 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1, le=limits.MAX_COMPLETION_TOKENS)
+    max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: int | None = None
     tools: list[Any] | None = None
     functions: list[Any] | None = None
     response_format: dict[str, Any] | None = None
+
+    @field_validator("max_completion_tokens", "top_logprobs", mode="before")
+    @classmethod
+    def _bounded_chat_number(cls, value: Any, info: ValidationInfo) -> Any:
+        assert info.field_name is not None
+        limits.check_number(info.field_name, value)
+        return value
 
     @field_validator("messages", mode="before")
     @classmethod

@@ -171,19 +171,10 @@ def check_caps(body: dict[str, Any], endpoint: str) -> None:
         if bias is not None and not isinstance(bias, dict):
             raise limits.LimitExceeded("logit_bias", "logit_bias must be an object of token ids to numbers")
         limits.check_logit_bias(bias)
-        for name in ("n", "best_of"):
-            value = body.get(name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-                raise limits.LimitExceeded(name, f"{name} must be an integer")
-            if name == "n":
-                limits.check_choices(value)
-            elif value is not None and value != 1:
-                raise limits.LimitExceeded("best_of", f"best_of is {value}; only 1 is supported")
-        for name in ("max_tokens", "max_completion_tokens"):
-            value = body.get(name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-                raise limits.LimitExceeded(name, f"{name} must be an integer")
-            limits.check_completion_tokens(name, value)
+        # Every number the sampler sees (top_k, temperature, seed, ...), as the engine checks it.
+        limits.check_numbers(body)
+        if endpoint == "completions":  # chat's logprobs is a boolean, its count top_logprobs
+            limits.check_number("logprobs", body.get("logprobs"), limits.LOGPROBS)
         if endpoint == "completions" and body.get("max_completion_tokens") is not None:
             raise limits.LimitExceeded(
                 "max_completion_tokens",
