@@ -22,11 +22,14 @@ from .services.deployments import all_endpoints
 from .services.discovery import Discovery
 from .services.engine_sync import EngineSync
 from .services.errors import QuotaExceeded, ServiceError
+from .services.in_flight import InFlight
 from .services.multipart import FORM_OVERHEAD_BYTES
 from .services.routing import Router
 from .settings import Settings
 
 log = logging.getLogger("loraplex.web")
+# Upstream connections beyond the requests' own, for engine sync's registration calls.
+SYNC_CONNECTIONS = 16
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -39,7 +42,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         timeout = httpx.Timeout(
             settings.engine_read_timeout_s, connect=settings.engine_connect_timeout_s, pool=30.0
         )
-        app.state.http = httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=512))
+        # Requests take at most upstream_connections of them (their shares: services/in_flight.py); the
+        # rest are for engine sync, so a pool full of requests never stalls a sync pass.
+        connections = settings.upstream_connections + SYNC_CONNECTIONS
+        app.state.http = httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=connections))
         # Engines forget deleted adapters: a pass every interval and after each delete.
         app.state.engine_sync = EngineSync(
             app.state.http,
@@ -76,6 +82,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.store = settings.artifact_store()
     discovery = Discovery(settings.kubernetes_discovery, settings.kubernetes_watch_timeout_s)
     app.state.discovery = discovery
+    app.state.in_flight = InFlight.of(settings)
     app.state.router = Router(cooldown_s=settings.endpoint_cooldown_s, discovery=discovery)
 
     app.add_middleware(

@@ -43,7 +43,7 @@ class Public(BaseModel):
 
 
 class QuotaUpdate(BaseModel):
-    """Limits of a tenant; null means unlimited."""
+    """Limits of a tenant; null means unlimited (max_in_flight: the gateway's default)."""
 
     requests_per_minute: Count | None = None
     tokens_per_minute: Count | None = None
@@ -51,6 +51,11 @@ class QuotaUpdate(BaseModel):
     max_adapter_bytes: Bytes | None = None
     max_storage_bytes: Bytes | None = Field(
         default=None, description="Total bytes of the tenant's adapters (config and weights); null: no limit."
+    )
+    max_in_flight: Count | None = Field(
+        default=None,
+        description="Requests in flight at once through one gateway replica; null: the gateway's default "
+        "(LORAPLEX_TENANT_MAX_IN_FLIGHT), never unlimited.",
     )
 
 

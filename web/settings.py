@@ -47,6 +47,16 @@ class Settings(BaseSettings):
     # The completion limit of a gateway request that names none: forwarded to the engine as max_tokens,
     # so the tokens-per-minute reservation (prompt + this) bounds what the request can produce.
     default_max_tokens: int = Field(default=256, gt=0, le=65_536)
+    # Requests one tenant, and one API key, may have in flight through one gateway replica at once (a
+    # tenant's quota max_in_flight replaces the first), and each tenant's share of the replica's
+    # upstream connections to the engines: every tenant may always hold upstream_tenant_floor of them
+    # while any is free, and upstream_reserve_fraction of them are kept for tenants below that
+    # (wire/shares.py; docs/security.md, "Shares of queues and connections").
+    tenant_max_in_flight: int = Field(default=64, ge=1, le=1_000_000)
+    key_max_in_flight: int = Field(default=32, ge=1, le=1_000_000)
+    upstream_connections: int = Field(default=512, ge=1, le=65_536)
+    upstream_tenant_floor: int = Field(default=16, ge=0, le=65_536)
+    upstream_reserve_fraction: float = Field(default=0.25, ge=0, lt=1)
     # The console: the key that signs its cookies, how long a sign-in lasts, and sign-in throttling
     # (this many failures per email within the window lock that email until the window ends; a
     # client address gets four times as many).

@@ -58,6 +58,11 @@ ADAPTER_UNAVAILABLE_STATUS = 503
 ENGINE_ERROR = "engine_error"  # the engine failed the request (or its stream broke off)
 NOT_READY = "not_ready"  # loading or draining: 503 with Retry-After
 QUEUE_FULL = "queue_full"  # 429 with Retry-After
+# 429 with Retry-After: the tenant holds its share of an engine's queue or a gateway's upstream
+# connections already (wire/shares.py); other tenants are still admitted.
+TENANT_SHARE_EXCEEDED = "tenant_share_exceeded"
+# 429 with Retry-After: the gateway's cap on one tenant's, or one API key's, requests in flight.
+TOO_MANY_IN_FLIGHT = "too_many_requests_in_flight"
 MODEL_NOT_FOUND = "model_not_found"
 ADAPTER_NOT_READY = "adapter_not_ready"  # the caller's adapter is still being uploaded (409)
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # OpenAI's code: prompt and completion past the context

@@ -34,8 +34,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from loraplex.adapters import AdapterError, AdapterManifest, fetch_local
+from loraplex.wire import QUEUE_FULL
+from loraplex.wire.shares import Holdings, Shares
 
 from .metrics import ServerMetrics
+from .settings import queue_shares_of
 
 if TYPE_CHECKING:
     from loraplex.engine.engine import LLMEngine
@@ -57,6 +60,10 @@ class EngineUnavailable(RuntimeError):
 class QueueFull(RuntimeError):
     def __init__(self, waiting: int, limit: int):
         super().__init__(f"{waiting} requests are already waiting (the limit is {limit}); retry shortly")
+
+
+class OverShare(RuntimeError):
+    """The tenant holds its share of the waiting queue already (wire/shares.py); others are admitted."""
 
 
 class StepFailed(RuntimeError):
@@ -139,10 +146,17 @@ class AsyncEngine:
         metrics: ServerMetrics | None = None,
         max_queue: int = 256,
         publish_interval_s: float = 0.05,
+        queue_shares: Shares | None = None,
     ):
         self.engine = engine
         self.metrics = metrics or ServerMetrics()
         self.max_queue = max_queue
+        # Each tenant's share of the waiting queue: a flood by one leaves room for the others.
+        self.queue_shares = queue_shares or queue_shares_of(max_queue)
+        if self.queue_shares.capacity != max_queue:
+            raise ValueError(
+                f"queue_shares are of {self.queue_shares.capacity} places, max_queue is {max_queue}"
+            )
         self.publish_interval_s = publish_interval_s
         # What never changes after the engine is made (read here, before the loop thread starts).
         self.base_shape = engine.base_shape
@@ -164,6 +178,10 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._pending_adds = 0  # posted, not yet handed to the engine: waiting, too
         self._pending_lock = threading.Lock()
+        # Under _pending_lock: requests posted, not yet handed over, by tenant; and waiting by tenant (the
+        # engine's count at the last publish, plus those posts), which admission reads.
+        self._pending_by_tenant: dict[str | None, int] = {}
+        self._queued = Holdings()
         self._tracked: dict[str, _Tracked] = {}
         self._stopping = False
         self._consecutive_failures = 0
@@ -224,10 +242,16 @@ class AsyncEngine:
             raise EngineUnavailable(self.not_ready_reason)
         with self._pending_lock:
             waiting = self.waiting + self._pending_adds
-            if waiting >= self.max_queue:
+            refusal = self._queued.refusal(self.queue_shares, tenant)
+            if waiting >= self.max_queue or (refusal is not None and refusal.code == QUEUE_FULL):
                 self.metrics.requests_rejected.labels("queue_full").inc()
                 raise QueueFull(waiting, self.max_queue)
+            if refusal is not None:
+                self.metrics.requests_rejected.labels("tenant_share").inc()
+                raise OverShare(refusal.message)
             self._pending_adds += 1
+            self._pending_by_tenant[tenant] = self._pending_by_tenant.get(tenant, 0) + 1
+            self._queued.take(tenant)
         stream = RequestStream(f"req-{uuid.uuid4().hex}")
         accepted = self._future()
         ids, arrival = list(prompt_token_ids), time.monotonic()
@@ -396,6 +420,9 @@ class AsyncEngine:
     ) -> None:
         with self._pending_lock:
             self._pending_adds -= 1
+            left = self._pending_by_tenant.pop(tenant) - 1
+            if left:
+                self._pending_by_tenant[tenant] = left
         from loraplex.engine.engine import RefusedAdapterError, UnknownAdapterError
 
         outcome: Exception | None = None
@@ -415,6 +442,8 @@ class AsyncEngine:
         except Exception as exc:
             outcome = exc
         if outcome is not None:
+            with self._pending_lock:  # taken at the post: it never reached the queue
+                self._queued.give(tenant)
             self._resolve(accepted, outcome)
             return
         self._tracked[stream.request_id] = _Tracked(stream, tenant, arrival)
@@ -520,6 +549,9 @@ class AsyncEngine:
     def _publish(self, force: bool = False) -> None:
         stats = self.engine.stats()
         self.waiting, self.running = stats.waiting, stats.running
+        waiting_by_tenant = self.engine.waiting_by_tenant()
+        with self._pending_lock:
+            self._queued = Holdings.of(waiting_by_tenant, self._pending_by_tenant)
         metrics = self.metrics
         metrics.observe_queue(self.waiting + self._pending_adds, self.running)
         now = time.monotonic()

@@ -36,6 +36,7 @@ from loraplex.engine.options import (
     from_environment,
     options_of,
 )
+from loraplex.wire.shares import Shares
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 log = logging.getLogger("loraplex.engine.server")
@@ -61,6 +62,19 @@ class ServerSettings(BaseSettings):
     max_queue: Annotated[int, Opt("requests waiting to be scheduled before new ones get 429", minimum=1)] = (
         256
     )
+    # Each tenant's share of that queue (wire/shares.py; docs/security.md, "Shares").
+    queue_tenant_floor: Annotated[
+        int, Opt("requests each tenant may always have waiting while the queue is not full", minimum=0)
+    ] = 4
+    queue_reserve_fraction: Annotated[
+        float,
+        Opt(
+            "the part of the queue kept for tenants below queue_tenant_floor, so that one tenant's flood "
+            "leaves the others room",
+            minimum=0,
+            below=1,
+        ),
+    ] = 0.25
     # The artifact store (the control plane's setting too). Set, adapters are fetched from it only (other
     # URIs are refused), into adapter_cache_dir() for s3://; relative adapter URIs resolve under it.
     adapter_store: Annotated[
@@ -152,6 +166,9 @@ class ServerSettings(BaseSettings):
 
         return served_name(self.model)
 
+    def queue_shares(self) -> Shares:
+        return queue_shares_of(self.max_queue, self.queue_tenant_floor, self.queue_reserve_fraction)
+
     def start_adapters(self) -> list[tuple[str, str, str | None]]:
         return [parse_adapter_arg(item) for item in self.adapters]
 
@@ -239,6 +256,19 @@ ServerSettings = create_model(  # type: ignore[misc]
     __doc__=ServerSettings.__doc__ or "",
     **_ENGINE_FIELDS,
 )
+
+
+def queue_shares_of(
+    max_queue: int, floor: int | None = None, reserve_fraction: float | None = None
+) -> Shares:
+    """Each tenant's share of a waiting queue of `max_queue`: the options' defaults where not given."""
+    fields = ServerSettings.model_fields
+    return Shares.of(
+        max_queue,
+        fields["queue_tenant_floor"].default if floor is None else floor,
+        fields["queue_reserve_fraction"].default if reserve_fraction is None else reserve_fraction,
+        "requests waiting on this engine",
+    )
 
 
 def model_path(model: str) -> str:

@@ -127,7 +127,7 @@ class Adapter(Base):
 
 
 class Quota(Base):
-    """Limits of one tenant; None means unlimited."""
+    """Limits of one tenant; None means unlimited (max_in_flight: the gateway's default)."""
 
     __tablename__ = "quotas"
 
@@ -140,6 +140,9 @@ class Quota(Base):
     max_adapter_bytes: Mapped[int | None] = mapped_column(BigInteger)
     # The total bytes of the tenant's adapters (config and weights; two adapters with one digest count twice).
     max_storage_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    # Requests in flight at once through one gateway replica; None: the replica's default
+    # (LORAPLEX_TENANT_MAX_IN_FLIGHT), never unlimited.
+    max_in_flight: Mapped[int | None]
 
     tenant: Mapped[Tenant] = relationship(back_populates="quota")
 

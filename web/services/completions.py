@@ -18,7 +18,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
@@ -31,6 +31,7 @@ from ..db.models import AdapterStatus
 from ..db.session import Database
 from . import adapters, gateway, metering, quotas
 from .errors import QuotaExceeded
+from .in_flight import Busy, InFlight
 from .keys import Principal
 from .routing import Router
 
@@ -164,6 +165,8 @@ class Gateway:
     engine_token: str
     default_max_tokens: int
     clock: Callable[[], float] = time.time
+    # This replica's requests in flight (one per app, on its state): caps and connection shares.
+    in_flight: InFlight = field(default_factory=InFlight.defaults)
 
     @classmethod
     def of(cls, state: Any) -> Gateway:
@@ -175,6 +178,7 @@ class Gateway:
             engine_token=state.engine_token,
             default_max_tokens=state.settings.default_max_tokens,
             clock=getattr(state, "clock", time.time),
+            in_flight=state.in_flight,
         )
 
     async def complete(self, principal: Principal, body: dict[str, Any], endpoint: str) -> Completion:
@@ -216,9 +220,11 @@ class Gateway:
             )
         prompt_estimate = gateway.estimate_tokens(gateway.prompt_text(body))
 
-        call = metering.Call(self.db, principal, target, endpoint, self.clock)
+        call = metering.Call(self.db, principal, target, endpoint, self.clock, self.in_flight)
         try:
             await run_in_threadpool(call.admit, prompt_estimate, limit)
+        except Busy as exc:  # its tenant's or key's cap, or its share of the connections
+            raise Refused(429, exc.error, exc.retry_after) from None
         except QuotaExceeded as exc:
             error = wire.WireError(exc.message, wire.RATE_LIMITED, wire.RATE_LIMIT_EXCEEDED)
             raise Refused(429, error, exc.retry_after) from None
