@@ -394,6 +394,13 @@ class LLMEngine:
         queue = self.scheduler.running if status is RequestStatus.RUNNING else self.scheduler.waiting
         return [r.request_id for r in queue]
 
+    def waiting_by_tenant(self) -> dict[str | None, int]:
+        """How many requests each tenant has waiting (the server's queue shares read it after a step)."""
+        counts: dict[str | None, int] = {}
+        for request in self.scheduler.waiting:
+            counts[request.tenant] = counts.get(request.tenant, 0) + 1
+        return counts
+
     @property
     def base_shape(self) -> BaseShape:
         """The base model's shapes, which an adapter must fit."""

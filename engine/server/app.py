@@ -44,6 +44,7 @@ from .async_engine import (
     AdapterUnavailable,
     AsyncEngine,
     EngineUnavailable,
+    OverShare,
     QueueFull,
     RequestStream,
     UnknownAdapter,
@@ -157,7 +158,9 @@ class ServerState:
         except Exception as exc:
             self._fatal(f"the model failed to load: {exc}")
             return
-        async_engine = AsyncEngine(engine, self.metrics, self.settings.max_queue)
+        async_engine = AsyncEngine(
+            engine, self.metrics, self.settings.max_queue, queue_shares=self.settings.queue_shares()
+        )
         async_engine.start()
         for name, uri, sha256 in self.settings.start_adapters():
             try:
@@ -398,6 +401,14 @@ class ServerState:
                 str(exc),
                 wire.RATE_LIMITED,
                 wire.QUEUE_FULL,
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            ) from exc
+        except OverShare as exc:  # this tenant's flood: other tenants are still admitted
+            raise OpenAIError(
+                429,
+                str(exc),
+                wire.RATE_LIMITED,
+                wire.TENANT_SHARE_EXCEEDED,
                 headers={"Retry-After": str(RETRY_AFTER_S)},
             ) from exc
         except UnknownAdapter as exc:
