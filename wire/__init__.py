@@ -252,6 +252,22 @@ class Registered(TypedDict):
     registered: bool
 
 
+# POST PREWARM_PATH with an AdapterRegistration registers the adapter where needed (as a request's adapter
+# headers would) and loads it before any request asks: a pod that joins an adapter's replica set takes its
+# traffic only after this answers (200 Prewarmed). Errors as a request's: adapter_failed (the adapter is at
+# fault), adapter_unavailable (its store did not answer).
+PREWARM_PATH = "/internal/prewarm"
+
+
+class Prewarmed(TypedDict):
+    """POST PREWARM_PATH's answer. `level`: "device" (in the pool now) or "host" (the pool had no pages to
+    spare without taking them from requests: its host copy is packed, a request pays only the copy in)."""
+
+    name: str
+    sha256: str
+    level: str
+
+
 class Unregistered(TypedDict):
     """DELETE adapter_path(name)'s answer; `draining`: requests still use it, it is forgotten after them."""
 
