@@ -11,7 +11,9 @@ from typing import Any, NoReturn
 # The options' declarations (no torch, no FastAPI): every engine and server flag is built from them.
 from loraplex.engine.config import ENGINE_OPTIONS, EngineConfig
 from loraplex.engine.options import add_arguments, values_given
-from loraplex.engine.server.settings import ALL_OPTIONS, SERVER_OPTIONS, ServerSettings
+from loraplex.engine.server.settings import ALL_OPTIONS, ServerSettings
+
+from .serve_args import add_serve_arguments
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -148,17 +150,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve the model and its adapters over an OpenAI-compatible HTTP API",
         description="Every option also reads from LORAPLEX_<OPTION> (e.g. LORAPLEX_NUM_PAGES); flags win. "
         "The internal token is a variable only: LORAPLEX_INTERNAL_TOKEN.",
+        # No prefixes: `--por 9000` must not be `--port 9000` (the operator refuses options it sets, and
+        # checks extraArgs with this same parser: cli/serve_args.py).
+        allow_abbrev=False,
     )
-    serve.add_argument(
-        "--adapter",
-        action="append",
-        default=None,
-        metavar="NAME=PATH_OR_URI",
-        help="register an adapter at start, optionally NAME=URI@SHA256 (repeatable; env LORAPLEX_ADAPTERS "
-        "as a JSON list)",
-    )
-    add_arguments(serve.add_argument_group("server options"), SERVER_OPTIONS)
-    add_arguments(serve.add_argument_group("engine options"), ENGINE_OPTIONS)
+    add_serve_arguments(serve)
     serve.one_line_errors = True
     serve.set_defaults(handler=_serve, command_parser=serve)
 

@@ -22,6 +22,11 @@ class OperatorConfig:
     allowed_images: tuple[str, ...] = DEFAULT_ALLOWED_IMAGES
     allow_any_image: bool = False
     allowed_secrets: tuple[str, ...] = ()  # `namespace/name` globs, e.g. `loraplex/loraplex-*`
+    # Exact names a podTemplate may use; none by default. A CSI driver mounts what it fetches (the Secrets
+    # Store driver: a vault's secrets, which the Secret policy never sees), and a runtime class chooses how
+    # the pod is isolated, so both are the admin's to permit.
+    allowed_csi_drivers: tuple[str, ...] = ()
+    allowed_runtime_classes: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for name, value in vars(self).items():

@@ -13,6 +13,10 @@ ConfigMap's settings, the store credentials); its volumes `model-cache` and `tmp
 the selector and ownership labels; and anything that would take the pod out of Pod Security "restricted"
 (runAsNonRoot false, uid 0, an unconfined seccomp profile, host namespaces, volume types other than the
 restricted set). Fields this module does not know are refused too: a typo must not vanish silently.
+An allowed image runs next to the internal token, so what would make it run other code or send its traffic
+elsewhere is refused as well: environment names by env_policy.py (and envFrom without a safe prefix), and
+mounts anywhere but under MOUNT_PREFIXES, or nested in one another. Which CSI drivers and runtime classes
+may be named is the cluster admin's choice, so policy.py checks those against the operator's settings.
 Pure: parse_pod_template raises OverlayError, apply_overlay returns a new pod template.
 """
 
@@ -23,6 +27,9 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from loraplex.operator.engine_args import operator_variables
+from loraplex.operator.env_policy import env_prefix_problem, env_problem
 
 ENGINE_CONTAINER = "engine"
 # Labels the Service, the PDB and the control plane's discovery select on, and ownership markers.
@@ -55,6 +62,9 @@ OPERATOR_ENV = frozenset(
 )
 OPERATOR_VOLUMES = frozenset({"model-cache", "tmp"})
 OPERATOR_MOUNT_PATHS = frozenset({"/var/cache/loraplex", "/tmp"})
+# Where podTemplate volumes may be mounted: directories no image of ours uses, so nothing there is code
+# or a system file (the engine image lives in /opt/loraplex, Python and libc under /usr, /etc, /lib).
+MOUNT_PREFIXES = ("/mnt", "/data")
 # Pod Security "restricted" permits exactly these volume sources.
 VOLUME_SOURCES = frozenset(
     {
@@ -377,10 +387,13 @@ def _check_env(raw: Any, where: str) -> None:
         name = var.get("name")
         if not isinstance(name, str) or not _ENV_NAME.fullmatch(name):
             raise OverlayError(f"{where}[{i}].name {name!r} is not an environment variable name")
-        if name in OPERATOR_ENV:
+        if name in OPERATOR_ENV or name in operator_variables():
             raise OverlayError(
                 f"{where}[{i}].name {name} is set by the operator from the spec; set that field"
             )
+        problem = env_problem(name)
+        if problem is not None:
+            raise OverlayError(f"{where}[{i}].name {name} {problem}")
         if ("value" in var) == ("valueFrom" in var):
             raise OverlayError(f"{where}[{i}] ({name}) needs exactly one of value and valueFrom")
         if "value" in var and not isinstance(var["value"], str):
@@ -411,9 +424,16 @@ def _check_env_from(raw: Any, where: str) -> None:
             raise OverlayError(f"{where}[{i}] needs exactly one of configMapRef and secretRef")
         ref = _mapping(source[refs[0]], f"{where}[{i}].{refs[0]}", ("name", "optional"))
         _name(ref.get("name"), f"{where}[{i}].{refs[0]}.name")
+        prefix = source.get("prefix", "")
+        if not isinstance(prefix, str) or (prefix and not _ENV_NAME.fullmatch(prefix)):
+            raise OverlayError(f"{where}[{i}].prefix {prefix!r} is not the start of a variable name")
+        problem = env_prefix_problem(prefix)
+        if problem is not None:
+            raise OverlayError(f"{where}[{i}] ({refs[0]} {ref['name']}): prefix {prefix!r} {problem}")
 
 
 def _check_mounts(raw: Any, where: str) -> None:
+    seen: list[str] = []
     for i, item in enumerate(_list(raw, where)):
         mount = _mapping(item, f"{where}[{i}]", _MOUNT_KEYS)
         path = mount.get("mountPath")
@@ -421,7 +441,36 @@ def _check_mounts(raw: Any, where: str) -> None:
             raise OverlayError(f"{where}[{i}].mountPath {path!r} must be an absolute path")
         if any(path == p or path.startswith(p + "/") for p in OPERATOR_MOUNT_PATHS):
             raise OverlayError(f"{where}[{i}].mountPath {path} is inside a volume the operator mounts")
+        problem = mount_path_problem(path)
+        if problem is not None:
+            raise OverlayError(f"{where}[{i}].mountPath {path!r} {problem}")
+        nested = next((p for p in seen if _inside(path, p) or _inside(p, path)), None)
+        if nested is not None:
+            # A volume's own content (a symlink) could steer the mount inside it anywhere in the image.
+            raise OverlayError(f"{where}[{i}].mountPath {path} nests with {nested}; mount side by side")
+        seen.append(path)
         _name(mount.get("name"), f"{where}[{i}].name", _DNS_LABEL)
+        sub_path = mount.get("subPath", "")
+        if not isinstance(sub_path, str) or sub_path.startswith("/") or ".." in sub_path.split("/"):
+            raise OverlayError(f"{where}[{i}].subPath {sub_path!r} must be a relative path without '..'")
+
+
+def mount_path_problem(path: str) -> str | None:
+    """Why a podTemplate volume may not be mounted at `path`; None when it may (under MOUNT_PREFIXES)."""
+    parts = path.split("/")[1:]
+    if not all(parts) or any(part in (".", "..") for part in parts):
+        return "must be a plain absolute path (no empty, '.' or '..' parts, no trailing '/')"
+    if not any(path.startswith(prefix + "/") for prefix in MOUNT_PREFIXES):
+        return (
+            f"is outside {' and '.join(p + '/' for p in MOUNT_PREFIXES)}: a volume elsewhere could replace "
+            "the engine's code or the system's files; mount it there (e.g. /mnt/certs) and point the engine "
+            "at it"
+        )
+    return None
+
+
+def _inside(path: str, parent: str) -> bool:
+    return path == parent or path.startswith(parent + "/")
 
 
 def _check_volumes(raw: Any, where: str) -> None:
@@ -439,6 +488,9 @@ def _check_volumes(raw: Any, where: str) -> None:
         source = _mapping(volume[sources[0]], f"{where}[{i}].{sources[0]}")
         if sources[0] == "secret":
             _name(source.get("secretName"), f"{where}[{i}].secret.secretName")
+        if sources[0] == "csi":
+            # The policy (policy.py) permits drivers by name, so the name must be there to compare.
+            _name(source.get("driver"), f"{where}[{i}].csi.driver")
         if sources[0] == "csi" and "nodePublishSecretRef" in source:
             ref = _mapping(
                 source["nodePublishSecretRef"], f"{where}[{i}].csi.nodePublishSecretRef", ("name",)

@@ -8,7 +8,10 @@ Secrets it mounts into it: a path to any Secret of the namespace, and to any cod
   secrets, env, envFrom, secret, projected and CSI volumes) must be in a namespace labelled
   `loraplex.io/engine-secrets=allowed`, or match one of `allowed_secrets` (`namespace/name` globs). A
   podTemplate ServiceAccount is a credential too (workload-identity webhooks hand the pod its cloud role),
-  under the same rule.
+  under the same rule;
+- a podTemplate's `runtimeClassName` and the drivers of its `csi` volumes must be in `allowed_runtime_classes`
+  and `allowed_csi_drivers` (exact names; none by default): a CSI driver such as the Secrets Store one
+  mounts secrets of its own, and a runtime class decides how the pod is isolated.
 A refused CR gets no children created or changed; reconcile re-evaluates on every pass, so labelling the
 namespace later unblocks it. `violations` is pure; `namespace_labels` is the one read it needs.
 """
@@ -60,6 +63,29 @@ def needs_namespace_labels(idep: InferenceDeployment, config: OperatorConfig) ->
     return any(not secret_allow_listed(idep.namespace, s.name, config) for s in secrets_used(idep))
 
 
+def pod_violations(idep: InferenceDeployment, config: OperatorConfig) -> list[str]:
+    """The podTemplate's runtime class and CSI drivers the admin has not permitted."""
+    where = "spec.podTemplate.spec"
+    spec = idep.spec.pod_template.spec
+    found = []
+    runtime = spec.get("runtimeClassName")
+    if runtime is not None and runtime not in config.allowed_runtime_classes:
+        found.append(
+            f"runtime class {runtime} ({where}.runtimeClassName) is not permitted: an admin adds it to "
+            "LORAPLEX_OPERATOR_ALLOWED_RUNTIME_CLASSES (chart: operator.policy.allowedRuntimeClasses)"
+        )
+    for i, volume in enumerate(spec.get("volumes") or []):
+        if "csi" not in volume:
+            continue
+        driver = volume["csi"]["driver"]  # overlay.py checked it is a driver name
+        if driver not in config.allowed_csi_drivers:
+            found.append(
+                f"CSI driver {driver} ({where}.volumes[{i}].csi.driver) is not permitted: an admin adds it "
+                "to LORAPLEX_OPERATOR_ALLOWED_CSI_DRIVERS (chart: operator.policy.allowedCsiDrivers)"
+            )
+    return found
+
+
 def violations(
     idep: InferenceDeployment, config: OperatorConfig, namespace_labels: Mapping[str, str]
 ) -> list[str]:
@@ -68,6 +94,7 @@ def violations(
     image = image_violation(idep.spec.engine.image, config)
     if image is not None:
         found.append(image)
+    found.extend(pod_violations(idep, config))
     if namespace_labels.get(SECRETS_LABEL) == SECRETS_LABEL_VALUE:
         return found
     for secret in secrets_used(idep):

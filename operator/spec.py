@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from loraplex.engine.model.quant_formats import QUANTIZATIONS  # torch-free: the engine's own choices
+from loraplex.operator.engine_args import ExtraArgsError, check_extra_args
 from loraplex.operator.overlay import OverlayError, PodTemplateOverlay, parse_pod_template
 
 GROUP = "loraplex.dev"
@@ -65,8 +66,6 @@ _IMAGE = re.compile(
     r"^[a-zA-Z0-9][-a-zA-Z0-9.]*(:[0-9]+)?(/[a-z0-9]+([._-]+[a-z0-9]+)*)*"
     r"(:[A-Za-z0-9_][-A-Za-z0-9_.]{0,127})?(@sha256:[a-f0-9]{64})?$"
 )
-# The operator sets these itself: the Service, probes and NetworkPolicy depend on them.
-MANAGED_ARGS = ("--model", "--port", "--host")
 INTERNAL_TOKEN_KEY = "internal-token"
 
 
@@ -260,12 +259,10 @@ def _parse_engine(raw: Mapping[str, Any]) -> EngineSpec:
             f"spec.engine.extraArgs takes at most {MAX_EXTRA_ARGS} arguments of at most "
             f"{MAX_EXTRA_ARG_LENGTH} characters each"
         )
-    for arg in extra:
-        if arg.split("=", 1)[0] in MANAGED_ARGS:
-            raise SpecError(
-                f"spec.engine.extraArgs sets {arg.split('=', 1)[0]}, which the operator sets itself "
-                "(spec.model.uri, port 8000); remove it"
-            )
+    try:
+        check_extra_args(extra)
+    except ExtraArgsError as error:
+        raise SpecError(str(error)) from error
     image = _string(raw, "image", "spec.engine")
     if len(image) > MAX_IMAGE_LENGTH or not _IMAGE.fullmatch(image):
         raise SpecError(

@@ -137,7 +137,7 @@ def test_a_full_pod_template_passes_admission_and_parses() -> None:
                         {
                             "name": "engine",
                             "env": [{"name": "HF_HUB_OFFLINE", "value": "1"}],
-                            "volumeMounts": [{"name": "certs", "mountPath": "/etc/certs"}],
+                            "volumeMounts": [{"name": "certs", "mountPath": "/mnt/certs"}],
                         }
                     ],
                     "volumes": [{"name": "certs", "configMap": {"name": "ca"}}],

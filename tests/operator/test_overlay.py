@@ -8,6 +8,8 @@ from typing import Any
 import kubernetes_validate
 import pytest
 
+from loraplex.engine.server.settings import ALL_OPTIONS
+from loraplex.operator.engine_args import OPERATOR_OPTIONS, serve_parser
 from loraplex.operator.overlay import OPERATOR_ENV, OPERATOR_LABELS, OPERATOR_MOUNT_PATHS, OPERATOR_VOLUMES
 from loraplex.operator.resources import MODEL_CACHE_DIR, config_map, deployment, labels
 from loraplex.operator.spec import SpecError, parse
@@ -47,8 +49,8 @@ FULL_OVERLAY: dict[str, Any] = {
                     {"name": "HF_HUB_OFFLINE", "value": "1"},
                     {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}},
                 ],
-                "envFrom": [{"configMapRef": {"name": "proxy-settings"}}],
-                "volumeMounts": [{"name": "certs", "mountPath": "/etc/ssl/custom", "readOnly": True}],
+                "envFrom": [{"prefix": "APP_", "configMapRef": {"name": "app-settings"}}],
+                "volumeMounts": [{"name": "certs", "mountPath": "/mnt/certs", "readOnly": True}],
             }
         ],
         "volumes": [{"name": "certs", "configMap": {"name": "ca-bundle"}}],
@@ -104,8 +106,11 @@ def test_the_overlay_is_merged_into_the_engine_pod() -> None:
         "HF_TOKEN",
     ]
     # The user's envFrom goes first: the operator's ConfigMap is the last source, so it wins a duplicate key.
-    assert engine["envFrom"] == [{"configMapRef": {"name": "proxy-settings"}}, *before["envFrom"]]
-    assert engine["volumeMounts"][-1] == {"name": "certs", "mountPath": "/etc/ssl/custom", "readOnly": True}
+    assert engine["envFrom"] == [
+        {"prefix": "APP_", "configMapRef": {"name": "app-settings"}},
+        *before["envFrom"],
+    ]
+    assert engine["volumeMounts"][-1] == {"name": "certs", "mountPath": "/mnt/certs", "readOnly": True}
     kubernetes_validate.validate(merged, KUBE_VERSION, strict=True)
     assert restricted_violations(pod) == []
 
@@ -163,7 +168,9 @@ def test_the_overlay_changes_the_pods_hash_so_they_roll() -> None:
         (
             {
                 "spec": {
-                    "containers": [{"name": "engine", "volumeMounts": [{"name": "nope", "mountPath": "/x"}]}]
+                    "containers": [
+                        {"name": "engine", "volumeMounts": [{"name": "nope", "mountPath": "/mnt/x"}]}
+                    ]
                 }
             },
             "names no volume",
@@ -206,6 +213,22 @@ def test_the_refusal_lists_match_what_resources_makes() -> None:
     assert {m["mountPath"] for m in engine["volumeMounts"]} == OPERATOR_MOUNT_PATHS
     assert MODEL_CACHE_DIR in OPERATOR_MOUNT_PATHS
     assert set(labels(idep)) == OPERATOR_LABELS
+
+
+def test_the_options_the_operator_owns_are_those_it_sets() -> None:
+    """OPERATOR_OPTIONS (refused in extraArgs and as variables) is every option the engine's command line
+    and ConfigMap carry, plus --host, whose default the Service and probes rely on."""
+    # Every optional flag and ConfigMap key present, no extraArgs.
+    model = {"uri": "hf://org/model", "quantization": "int8"}
+    store = {"uri": "s3://bucket/prefix", "endpointUrl": "http://minio:9000", "region": "us-east-1"}
+    idep = parse(body(model=model, adapterStore=store, engine={"image": "ghcr.io/loraplex/engine:0.2.0"}))
+    args = deployment(idep, "hash")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[0] == "serve"
+    given = serve_parser().parse_args(args[1:])
+    from_args = {name for name, value in vars(given).items() if value is not None}
+    by_variable = {v: o.name for o in ALL_OPTIONS for v in o.variables}
+    from_config = {by_variable[key] for key in config_map(idep)["data"] if key in by_variable}
+    assert from_args | from_config | {"host"} == OPERATOR_OPTIONS
 
 
 def test_rollout_strategies_in_the_deployment() -> None:

@@ -39,8 +39,8 @@ def overlay_with_secrets() -> dict[str, Any]:
                     "env": [
                         {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}}
                     ],
-                    "envFrom": [{"secretRef": {"name": "extra-env"}}],
-                    "volumeMounts": [{"name": "certs", "mountPath": "/etc/certs"}],
+                    "envFrom": [{"prefix": "EXTRA_", "secretRef": {"name": "extra-env"}}],
+                    "volumeMounts": [{"name": "certs", "mountPath": "/mnt/certs"}],
                 }
             ],
             "volumes": [
@@ -61,8 +61,13 @@ def test_config_reads_the_policy_from_the_environment() -> None:
             "LORAPLEX_OPERATOR_ALLOWED_IMAGES": "registry.example.com/engine:*, ghcr.io/loraplex/engine:*",
             "LORAPLEX_OPERATOR_ALLOW_ANY_IMAGE": "false",
             "LORAPLEX_OPERATOR_ALLOWED_SECRETS": "loraplex/loraplex-*,*/engine-token",
+            "LORAPLEX_OPERATOR_ALLOWED_CSI_DRIVERS": "ebs.csi.aws.com, secrets-store.csi.k8s.io",
+            "LORAPLEX_OPERATOR_ALLOWED_RUNTIME_CLASSES": "nvidia",
         }
     )
+    assert config.allowed_csi_drivers == ("ebs.csi.aws.com", "secrets-store.csi.k8s.io")
+    assert config.allowed_runtime_classes == ("nvidia",)
+    assert OperatorConfig.from_env({}).allowed_csi_drivers == ()
     assert config.allowed_images == ("registry.example.com/engine:*", "ghcr.io/loraplex/engine:*")
     assert config.allowed_secrets == ("loraplex/loraplex-*", "*/engine-token")
     assert not config.allow_any_image
@@ -119,15 +124,17 @@ def test_every_secret_the_pod_reads_is_checked() -> None:
         "certs": "spec.podTemplate.spec.volumes[0].secret",
         "bundle": "spec.podTemplate.spec.volumes[1].projected.sources[0]",
     }
-    found = violations(idep, OperatorConfig(), {})
+    # The CSI driver is permitted here: only the Secret rule is under test.
+    config = OperatorConfig(allowed_csi_drivers=("secrets-store.csi.k8s.io",))
+    found = violations(idep, config, {})
     assert len(found) == len(used)
     assert any("Secret loraplex/hf (spec.podTemplate.spec.containers[engine].env[0])" in v for v in found)
     assert any(
         "ServiceAccount loraplex/engine-identity (spec.podTemplate.spec.serviceAccountName)" in v
         for v in found
     )
-    assert violations(idep, OperatorConfig(), ALLOWED) == []
-    assert violations(idep, OperatorConfig(), {SECRETS_LABEL: "yes"}) == found  # only the exact value
+    assert violations(idep, config, ALLOWED) == []
+    assert violations(idep, config, {SECRETS_LABEL: "yes"}) == found  # only the exact value
 
 
 def test_the_allow_list_permits_by_namespace_and_name() -> None:

@@ -187,6 +187,9 @@ def test_policy_values_reach_the_operator_with_the_charts_own_secrets_allowed() 
     )
     assert env["LORAPLEX_OPERATOR_ALLOW_ANY_IMAGE"] == "false"
     assert env["LORAPLEX_OPERATOR_ALLOWED_SECRETS"] == "loraplex/loraplex-secrets"
+    # No CSI driver and no runtime class unless the admin lists them (an empty value keeps the default).
+    assert env["LORAPLEX_OPERATOR_ALLOWED_CSI_DRIVERS"] == ""
+    assert env["LORAPLEX_OPERATOR_ALLOWED_RUNTIME_CLASSES"] == ""
     env = operator_env(
         render(
             {
@@ -197,6 +200,8 @@ def test_policy_values_reach_the_operator_with_the_charts_own_secrets_allowed() 
                         "allowedImages": ["registry.example.com/engine:*"],
                         "allowAnyImage": True,
                         "allowedSecrets": ["team-b/hf-*", "loraplex/loraplex-secrets"],
+                        "allowedCsiDrivers": ["ebs.csi.aws.com", "secrets-store.csi.k8s.io"],
+                        "allowedRuntimeClasses": ["nvidia"],
                     }
                 },
             }
@@ -207,11 +212,19 @@ def test_policy_values_reach_the_operator_with_the_charts_own_secrets_allowed() 
     assert env["LORAPLEX_OPERATOR_ALLOWED_SECRETS"] == (
         "loraplex/loraplex-secrets,team-a/loraplex-secrets,loraplex/adapter-store,team-b/hf-*"
     )
+    assert env["LORAPLEX_OPERATOR_ALLOWED_CSI_DRIVERS"] == "ebs.csi.aws.com,secrets-store.csi.k8s.io"
+    assert env["LORAPLEX_OPERATOR_ALLOWED_RUNTIME_CLASSES"] == "nvidia"
 
 
 @pytest.mark.parametrize(
     "policy",
-    [{"allowedSecrets": ["no-namespace"]}, {"allowedSecrets": ["a/b,c/d"]}, {"allowedImages": ["a, b"]}],
+    [
+        {"allowedSecrets": ["no-namespace"]},
+        {"allowedSecrets": ["a/b,c/d"]},
+        {"allowedImages": ["a, b"]},
+        {"allowedCsiDrivers": ["a,b"]},
+        {"allowedRuntimeClasses": ["Not A Name"]},
+    ],
 )
 def test_policy_values_that_would_not_survive_the_comma_join_are_refused(policy: dict[str, Any]) -> None:
     with pytest.raises(helm.HelmError):

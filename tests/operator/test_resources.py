@@ -116,9 +116,10 @@ def test_quantization_travels_as_a_serve_flag_only_when_set() -> None:
 
 def test_extra_args_change_changes_the_deployment_hash() -> None:
     before = by_kind(desired_objects(parse(body())))["Deployment"]
-    after_idep = parse(body(engine={"image": "ghcr.io/loraplex/engine:0.2.0", "extraArgs": ["--x"]}))
+    extra = ["--max-queue", "64"]
+    after_idep = parse(body(engine={"image": "ghcr.io/loraplex/engine:0.2.0", "extraArgs": extra}))
     after = by_kind(desired_objects(after_idep))["Deployment"]
-    assert engine_args(after_idep)[-1] == "--x"
+    assert engine_args(after_idep)[-2:] == extra
     assert (
         before["metadata"]["annotations"][HASH_ANNOTATION]
         != after["metadata"]["annotations"][HASH_ANNOTATION]
