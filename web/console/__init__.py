@@ -2,8 +2,9 @@
 
 `install(app, settings)` mounts it under /console on the control plane's app: its pages, its static
 files (vendored here, nothing fetched at run time) and the handlers that turn "sign in first", "not
-allowed" and "bad CSRF token" into pages. Layout: `security` (cookies, CSRF, who is signed in),
-`rendering` (templates), `charts` (SVG), and one module of routes per page.
+allowed", "bad CSRF token" and "form too large" into pages. Layout: `security` (cookies, CSRF, who is
+signed in), `forms` (what every route checks before it reads a body), `rendering` (templates), `charts`
+(SVG), and one module of routes per page.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from fastapi.staticfiles import StaticFiles
 
 from ..settings import Settings
 from . import adapters, admin, auth, keys, overview, playground, usage
+from .forms import FormTooLarge
 from .rendering import render
 from .security import ConsoleForbidden, ConsoleSecurity, CsrfRefused, SignInRequired, current_user
 
@@ -31,6 +33,7 @@ def install(app: FastAPI, settings: Settings) -> None:
     app.add_exception_handler(SignInRequired, _sign_in_required)  # type: ignore[arg-type]
     app.add_exception_handler(ConsoleForbidden, _forbidden)  # type: ignore[arg-type]
     app.add_exception_handler(CsrfRefused, _csrf_refused)  # type: ignore[arg-type]
+    app.add_exception_handler(FormTooLarge, _form_too_large)  # type: ignore[arg-type]
 
 
 def _wants_json(request: Request) -> bool:
@@ -62,3 +65,13 @@ async def _csrf_refused(request: Request, exc: CsrfRefused) -> Response:
         return JSONResponse({"detail": message}, status_code=403)
     await current_user(request)  # refused before any page dependency ran: the layout still shows who
     return render(request, "forbidden.html", {"title": "Form refused", "message": message}, 403)
+
+
+async def _form_too_large(request: Request, exc: FormTooLarge) -> Response:
+    message = (
+        f"This form was refused: it is larger than {exc.limit} bytes. Shorten what you entered and try again."
+    )
+    if _wants_json(request):
+        return JSONResponse({"detail": message}, status_code=413)
+    await current_user(request)  # the layout still shows who is signed in
+    return render(request, "forbidden.html", {"title": "Form too large", "message": message}, 413)

@@ -18,12 +18,15 @@ from starlette.concurrency import run_in_threadpool
 from ..api.deps import SessionDep, SettingsDep
 from ..services import adapters, deployments, engine_sync, multipart, upload_quota
 from ..services.errors import ServiceError
+from .forms import GuardedRoute, StreamedBodyRoute
 from .rendering import redirect, render
 from .security import CSRF_FIELD, CSRF_HEADER, CsrfRefused, Member, security_of, verify_csrf
 
 # No router-wide verify_csrf: it reads the whole form, and the upload must check its token before the
 # files arrive (it does so itself). Every other state-changing route here takes CSRF explicitly.
-router = APIRouter(tags=["console"], include_in_schema=False)
+router = APIRouter(tags=["console"], include_in_schema=False, route_class=GuardedRoute)
+# The upload streams its own body, bounded by the tenant's upload limit (services/multipart.py).
+uploads = APIRouter(tags=["console"], include_in_schema=False, route_class=StreamedBodyRoute)
 CSRF = [Depends(verify_csrf)]
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
 FORM_FIELDS = ("name", "deployment", CSRF_FIELD)
@@ -61,7 +64,7 @@ def adapters_status(session: SessionDep, user: Member) -> dict[str, str]:
     return {a.name: a.status for a in adapters.list_adapters(session, user.tenant_id)}
 
 
-@router.post("/console/adapters")
+@uploads.post("/console/adapters")
 async def upload_adapter(
     request: Request, session: SessionDep, settings: SettingsDep, user: Member
 ) -> Response:
@@ -164,3 +167,6 @@ def delete_adapter(
     adapters.delete_adapter(session, user.tenant_id, name, request.app.state.store)
     engine_sync.wake(request.app)  # engines forget it soon; this request does not wait for them
     return redirect(request, "/console/adapters", flash=f"Adapter “{name}” deleted.")
+
+
+router.include_router(uploads)

@@ -18,10 +18,16 @@ from ..services import console_sessions, deployments, tenants, users
 from ..services.errors import ServiceError
 from ..shapes import KNOWN_SHAPES
 from . import replicas
+from .forms import GuardedRoute
 from .rendering import redirect, render
 from .security import Admin, verify_csrf
 
-router = APIRouter(tags=["console"], include_in_schema=False, dependencies=[Depends(verify_csrf)])
+router = APIRouter(
+    tags=["console"],
+    include_in_schema=False,
+    dependencies=[Depends(verify_csrf)],
+    route_class=GuardedRoute,
+)
 QUOTA_FIELDS = {
     "requests_per_minute": "Requests per minute",
     "tokens_per_minute": "Tokens per minute",

@@ -13,11 +13,17 @@ from ..api.deps import SessionDep, SettingsDep
 from ..services import console_sessions, sign_in_throttle, users
 from ..services.client_address import client_address as client_address_of
 from ..settings import Settings
+from .forms import SignInFormRoute
 from .rendering import redirect, render
 from .security import current_user, security_of, verify_csrf
 
 log = logging.getLogger("loraplex.web.console")
-router = APIRouter(tags=["console"], include_in_schema=False, dependencies=[Depends(verify_csrf)])
+router = APIRouter(
+    tags=["console"],
+    include_in_schema=False,
+    dependencies=[Depends(verify_csrf)],
+    route_class=SignInFormRoute,
+)
 
 
 def landing(user: users.UserView) -> str:

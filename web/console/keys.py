@@ -14,10 +14,16 @@ from ..db.models import utcnow
 from ..schemas import KeyCreated, KeyPublic
 from ..services import keys
 from ..services.errors import ServiceError
+from .forms import GuardedRoute
 from .rendering import redirect, render
 from .security import Member, verify_csrf
 
-router = APIRouter(tags=["console"], include_in_schema=False, dependencies=[Depends(verify_csrf)])
+router = APIRouter(
+    tags=["console"],
+    include_in_schema=False,
+    dependencies=[Depends(verify_csrf)],
+    route_class=GuardedRoute,
+)
 EXPIRY_CHOICES = [("", "Never"), ("7", "In 7 days"), ("30", "In 30 days"), ("90", "In 90 days")]
 
 

@@ -12,10 +12,16 @@ from ..db.models import utcnow
 from ..schemas import UsageSummary
 from ..services import adapters, keys, usage
 from . import charts
+from .forms import GuardedRoute
 from .rendering import render
 from .security import Member, verify_csrf
 
-router = APIRouter(tags=["console"], include_in_schema=False, dependencies=[Depends(verify_csrf)])
+router = APIRouter(
+    tags=["console"],
+    include_in_schema=False,
+    dependencies=[Depends(verify_csrf)],
+    route_class=GuardedRoute,
+)
 OVERVIEW_DAYS = 30
 
 

@@ -25,10 +25,24 @@ from ..services import gateway
 from ..services.completions import EngineRefused, Gateway, Refused
 from ..services.keys import Principal
 from ..services.users import UserView
+from .forms import GuardedRoute
 from .rendering import render
 from .security import Member, verify_csrf
 
-router = APIRouter(tags=["console"], include_in_schema=False, dependencies=[Depends(verify_csrf)])
+
+class PlaygroundRoute(GuardedRoute):
+    """A chat's body may be as large as the gateway accepts from any client (its body cap): a larger one
+    could not be forwarded anyway."""
+
+    max_body_bytes = gateway.MAX_REQUEST_BODY_BYTES
+
+
+router = APIRouter(
+    tags=["console"],
+    include_in_schema=False,
+    dependencies=[Depends(verify_csrf)],
+    route_class=PlaygroundRoute,
+)
 CHAT = "chat/completions"  # the gateway endpoint the playground talks to
 
 

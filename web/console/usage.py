@@ -16,10 +16,16 @@ from ..db.models import utcnow
 from ..schemas import UsageSummary
 from ..services import usage
 from . import charts
+from .forms import GuardedRoute
 from .rendering import render
 from .security import Member, security_of, verify_csrf
 
-router = APIRouter(tags=["console"], include_in_schema=False, dependencies=[Depends(verify_csrf)])
+router = APIRouter(
+    tags=["console"],
+    include_in_schema=False,
+    dependencies=[Depends(verify_csrf)],
+    route_class=GuardedRoute,
+)
 RANGES = (7, 30, 90)
 # More models than this share one "other" colour in the chart (the table lists them all).
 CHART_MODELS = 6
