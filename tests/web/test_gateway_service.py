@@ -27,6 +27,7 @@ from loraplex.web.services.completions import (
     Gateway,
     Refused,
 )
+from loraplex.web.services.gateway import UsageChunkFilter
 from loraplex.web.services.keys import Principal
 from loraplex.web.services.routing import Router
 
@@ -115,6 +116,43 @@ def test_a_stream_relays_the_engines_events_and_is_settled_when_closed(service: 
     assert (row.status, row.completion_tokens, row.exact) == ("ok", 3, True)
 
 
+@pytest.mark.parametrize("options", [None, {}, {"include_usage": False}, {"include_usage": True}])
+def test_a_stream_ends_with_a_usage_chunk_only_when_the_client_asked(
+    service: Service, options: dict[str, Any] | None
+) -> None:
+    """The engine is always asked for usage (metering reads it); the client sees the `choices: []` chunk
+    only with include_usage true, as OpenAI's streams end, so `chunk.choices[0]` loops never break."""
+
+    async def read(gateway: Gateway) -> list[bytes]:
+        extra = {} if options is None else {"stream_options": options}
+        stream = await gateway.stream(service.principal, chat(max_tokens=3, **extra), CHAT)
+        try:
+            return [chunk async for chunk in stream]
+        finally:
+            await stream.close()
+
+    data = b"".join(service.run(read))
+    events = [json.loads(e[5:]) for e in data.split(b"\n\n") if e.startswith(b"data: {")]
+    asked = bool(options and options.get("include_usage"))
+    assert [e for e in events if e["choices"] == []] == ([events[-1]] if asked else [])
+    assert all(e["choices"] for e in events[: len(events) - asked])
+    assert data.endswith(b"data: [DONE]\n\n") and len(events) == 3 + asked
+    (row,) = recorded_usage(service.app)
+    assert (row.status, row.completion_tokens, row.exact) == ("ok", 3, True)  # metered exactly either way
+
+
+def test_the_usage_filter_holds_back_only_an_event_s_own_bytes() -> None:
+    usage = b'data: {"choices": [], "usage": {"completion_tokens": 2}}\n\n'
+    text = b'data: {"choices": [{"delta": {"content": "x"}}]}\n\n'
+    stream = text + usage + b"data: [DONE]\n\n"
+    for cut in range(len(stream) + 1):  # every way the bytes may be split into network chunks
+        events = UsageChunkFilter()
+        out = events.feed(stream[:cut]) + events.feed(stream[cut:]) + events.rest()
+        assert out == text + b"data: [DONE]\n\n", cut
+    events = UsageChunkFilter()
+    assert events.feed(text[:10]) == b"" and events.feed(text[10:]) == text  # passed at its blank line
+
+
 def test_a_stream_closed_early_is_settled_as_the_reader_gone(service: Service) -> None:
     async def first_only(gateway: Gateway) -> bytes:
         stream = await gateway.stream(service.principal, chat(max_tokens=8), CHAT)
@@ -128,6 +166,36 @@ def test_a_stream_closed_early_is_settled_as_the_reader_gone(service: Service) -
     assert b'"text"' in service.run(first_only)
     rows = recorded_usage(service.app)
     assert [r.status for r in rows] == ["client_disconnected"]
+
+
+def test_outstanding_work_is_counted_in_and_out_around_each_upstream_request(service: Service) -> None:
+    """The router's load signal: a request counts on its pod while the engine has it, and stops counting
+    however it ends (answered, streamed and closed, refused by the engine)."""
+    seen: list[dict[str, int]] = []
+
+    async def calls(gateway: Gateway) -> list[dict[str, int]]:
+        counts = gateway.router.outstanding
+        await gateway.complete(service.principal, chat(), CHAT)
+        seen.append(dict(counts.requests))
+        stream = await gateway.stream(service.principal, chat(max_tokens=3), CHAT)
+        seen.append(dict(counts.requests))
+        seen.append(dict(counts.by_key))
+        try:
+            async for _ in stream:
+                pass
+        finally:
+            await stream.close()
+        seen.append(dict(counts.requests))
+        service.engine.refuse = (400, wire.ADAPTER_UNAVAILABLE, "the store is down")
+        with pytest.raises(EngineRefused):
+            await gateway.complete(service.principal, chat(), CHAT)
+        seen.append(dict(counts.requests) | dict(counts.by_key))
+        return seen
+
+    done, streaming, by_key, closed, refused = service.run(calls)
+    assert done == {} and closed == {} and refused == {}
+    assert list(streaming.values()) == [1]
+    assert by_key == {f"adapter:{service.adapter['sha256']}": 1}
 
 
 def refusal(service: Service, body: dict[str, Any]) -> Refused:

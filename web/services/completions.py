@@ -33,7 +33,7 @@ from . import adapters, gateway, metering, quotas
 from .errors import QuotaExceeded
 from .in_flight import Busy, InFlight
 from .keys import Principal
-from .routing import Router
+from .routing import Router, Work
 
 log = logging.getLogger("loraplex.web.gateway")
 
@@ -114,8 +114,18 @@ class CompletionStream:
     stream must `close()` it: that settles the request exactly once, however the stream ended (done, the
     engine gone, the reader gone, cancelled)."""
 
-    def __init__(self, upstream: httpx.Response, call: metering.Call, meter: gateway.Meter):
-        self.upstream, self.call, self.meter = upstream, call, meter
+    def __init__(
+        self,
+        upstream: httpx.Response,
+        call: metering.Call,
+        meter: gateway.Meter,
+        work: Work | None = None,
+        wants_usage: bool = True,
+    ):
+        self.upstream, self.call, self.meter, self.work = upstream, call, meter, work
+        # The engine is always asked for the usage chunk (metering reads it); the client sees it only if it
+        # asked, as OpenAI's streams end: an unasked `choices: []` chunk breaks `chunk.choices[0]` loops.
+        self.events = None if wants_usage else gateway.UsageChunkFilter()
         self.status = "client_disconnected"  # until the engine's stream is read to its end
 
     def __aiter__(self) -> AsyncIterator[bytes]:
@@ -128,7 +138,11 @@ class CompletionStream:
                 self.meter.feed(chunk)
                 self.call.produce(self.meter.chunks - counted)
                 counted = self.meter.chunks
-                yield chunk
+                passed = chunk if self.events is None else self.events.feed(chunk)
+                if passed:
+                    yield passed
+            if self.events is not None and (rest := self.events.rest()):
+                yield rest
             self.status = "ok"
         except httpx.HTTPError:
             self.status = wire.ENGINE_ERROR
@@ -137,6 +151,8 @@ class CompletionStream:
     async def close(self) -> None:
         # Shielded: a cancelled reader must still release the connection and settle its reservation.
         with anyio.CancelScope(shield=True):
+            if self.work is not None:  # the pod's outstanding count drops however the stream ended
+                self.work.done()
             await self.upstream.aclose()
             await self._settle()
 
@@ -209,9 +225,12 @@ class Gateway:
         if isinstance(target, gateway.NotServed):
             raise not_served(target)
         streaming = bool(body.get("stream"))
-        if streaming:  # the final chunk then carries the engine's exact usage
+        wants_usage = False
+        if streaming:  # the final chunk then carries the engine's exact usage, for metering
             options = body.get("stream_options")
-            body["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
+            options = options if isinstance(options, dict) else {}
+            wants_usage = options.get("include_usage") is True
+            body["stream_options"] = {**options, "include_usage": True}
         limit = gateway.set_completion_limit(body, endpoint, self.default_max_tokens)
         content = json.dumps(body, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
         if len(content) > gateway.MAX_REQUEST_BODY_BYTES:
@@ -233,7 +252,7 @@ class Gateway:
             raise Refused(400, error) from None
         call.start_ticker()
         try:
-            return await self._forward(call, endpoint, content, streaming, prompt_estimate)
+            return await self._forward(call, endpoint, content, streaming, prompt_estimate, wants_usage)
         except BaseException:
             # Refused, failed or cancelled before a stream took the call over: settle it here (a no-op
             # when it was already settled), so the reservation is never left standing.
@@ -245,14 +264,20 @@ class Gateway:
             return gateway.resolve(session, principal.tenant_id, model)
 
     async def _forward(
-        self, call: metering.Call, endpoint: str, content: bytes, streaming: bool, prompt_estimate: int
+        self,
+        call: metering.Call,
+        endpoint: str,
+        content: bytes,
+        streaming: bool,
+        prompt_estimate: int,
+        wants_usage: bool = False,
     ) -> Completion | CompletionStream:
         target = call.target
         headers = gateway.upstream_headers(
             target, call.principal.tenant_id, self.engine_token, call.principal.fair_share_weight
         )
         try:
-            upstream = await self._open(target, endpoint, content, headers)
+            upstream, work = await self._open(target, endpoint, content, headers, prompt_estimate)
         except httpx.TimeoutException:
             await call.finish("engine_timeout", 0, 0, True)
             raise _engine_timeout() from None
@@ -264,7 +289,7 @@ class Gateway:
             raise Refused(503, error, RETRY_AFTER_S) from None
 
         if upstream.status_code < 400 and streaming:
-            return CompletionStream(upstream, call, gateway.Meter(prompt_estimate))
+            return CompletionStream(upstream, call, gateway.Meter(prompt_estimate), work, wants_usage)
         try:
             answer = await upstream.aread()
         except httpx.TimeoutException:
@@ -275,6 +300,7 @@ class Gateway:
             error = wire.WireError("The engine's answer broke off; retry later.", wire.SERVER_ERROR)
             raise Refused(502, error) from None
         finally:
+            work.done()
             await upstream.aclose()
         media = upstream.headers.get("content-type", "application/json")
         if upstream.status_code >= 400:
@@ -294,24 +320,30 @@ class Gateway:
         return Completion(answer, upstream.status_code, media)
 
     async def _open(
-        self, target: gateway.Target, endpoint: str, content: bytes, headers: dict[str, str]
-    ) -> httpx.Response:
-        """Send to the preferred replica for the adapter; on a refused connection, the next one."""
+        self, target: gateway.Target, endpoint: str, content: bytes, headers: dict[str, str], tokens: int
+    ) -> tuple[httpx.Response, Work]:
+        """Send to the replica the router picks; on a refused connection, the next one. The request is
+        outstanding on its replica (the router's load signal) until the returned work is done."""
         last: httpx.HTTPError = httpx.ConnectError("the deployment has no endpoints")
         headers = {**headers, "Content-Type": "application/json"}
-        for replica in self.router.order(target.affinity_key, target.endpoints):
+        for replica in self.router.order(target.affinity_key, target.endpoints, target.adapter_bytes):
             request = self.http.build_request(
                 "POST", f"{replica}/v1/{endpoint}", content=content, headers=headers
             )
+            work = self.router.begin(replica, target.affinity_key, tokens)
             try:
                 response = await self.http.send(request, stream=True)
             except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+                work.done()
                 log.warning("engine replica unreachable", extra={"replica": replica})
                 self.router.mark_down(replica)
                 last = exc
                 continue
+            except BaseException:
+                work.done()
+                raise
             self.router.mark_up(replica)
-            return response
+            return response, work
         raise last
 
 

@@ -31,6 +31,8 @@ class Target:
     adapter_id: uuid.UUID | None = None
     adapter_uri: str | None = None
     adapter_sha256: str | None = None
+    # The adapter's stored bytes: the router counts them against the pods' adapter capacity.
+    adapter_bytes: int = 0
 
     @property
     def affinity_key(self) -> str | None:
@@ -78,6 +80,7 @@ def _adapter_target(adapter: Adapter) -> Target:
         adapter_id=adapter.id,
         adapter_uri=adapter.storage_uri,
         adapter_sha256=adapter.sha256,
+        adapter_bytes=adapter.bytes or 0,
     )
 
 
@@ -247,6 +250,39 @@ def prompt_text(body: dict[str, Any]) -> str:
 
 # Bytes of an SSE line the meter keeps while waiting for its end; the engine's lines are far shorter.
 _MAX_PENDING = 1 << 20
+
+
+class UsageChunkFilter:
+    """Passes an SSE stream through event by event, less the usage-only chunk (`"choices": []` with a
+    `usage`), which the gateway asks the engine for to meter and a client that did not ask must not see.
+    Holds back only an event's bytes until its blank line; a stream that is not SSE passes unchanged."""
+
+    def __init__(self) -> None:
+        self._pending = b""
+
+    def feed(self, data: bytes) -> bytes:
+        self._pending += data
+        *events, self._pending = self._pending.split(b"\n\n")
+        if len(self._pending) > _MAX_PENDING:  # no event boundary in sight: not ours to hold
+            events.append(self._pending)
+            self._pending = b""
+            return b"\n\n".join(e for e in events if not _usage_only(e))
+        return b"".join(e + b"\n\n" for e in events if not _usage_only(e))
+
+    def rest(self) -> bytes:
+        rest, self._pending = self._pending, b""
+        return b"" if _usage_only(rest) else rest
+
+
+def _usage_only(event: bytes) -> bool:
+    payload = event.strip()
+    if not payload.startswith(b"data:") or b"\n" in payload:
+        return False
+    try:
+        body = json.loads(payload[5:].strip())
+    except (ValueError, RecursionError):
+        return False
+    return isinstance(body, dict) and body.get("choices") == [] and isinstance(body.get("usage"), dict)
 
 
 @dataclass
