@@ -36,6 +36,7 @@ from .graphs import CudaGraphBackend, DecodeGraphs
 from .kv_cache import KVCache, page_bytes
 from .lora.loader import AdapterLoader, LoadFailure
 from .lora.registry import AdapterRegistry
+from .lora.report import adapter_report
 from .lora.sources import AdapterSource, DirectorySource
 from .lora.step import KernelLoraStacker, LoraStacker
 from .model.cpu_features import cpu_auto_dtype
@@ -49,7 +50,7 @@ from .sampler import StepSample, sample_step
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledChunk, Scheduler, StepPlan
 from .server.limits import LimitExceeded
-from .stats import AdapterFacts, AdapterInfo, EngineStats
+from .stats import AdapterFacts, AdapterInfo, AdapterReport, EngineStats
 from .stopping import StopChecker, next_delta
 from .warmup import warm_up
 
@@ -426,6 +427,11 @@ class LLMEngine:
             host_cache_misses=host.stats.misses,
             prefix=self.prefix_cache.stats() if self.prefix_cache is not None else None,
         )
+
+    def adapter_report(self) -> AdapterReport:
+        """Which adapters the engine holds and serves (a pass over its queues and caches: the metrics
+        take one per publish, not per step). Takes the loads' times: each is reported once."""
+        return adapter_report(self.scheduler, self.registry, self.loader.host, self.loader)
 
     # -- the loop ---------------------------------------------------------------------------------
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from .prefix_cache import PrefixStats
@@ -51,3 +52,25 @@ class EngineStats:
     host_cache_waits: int  # its prefetch was still running: the load waited for the rest
     host_cache_misses: int  # never prefetched: read on the spot
     prefix: PrefixStats | None = None  # the prefix cache's counters; None: prefix caching is off
+
+
+@dataclass(frozen=True)
+class LoadedAdapter:
+    """An adapter whose weights the engine holds, and where."""
+
+    name: str
+    level: str  # "gpu": its rows are in the device pool, ready for a step; "cpu": packed in host memory only
+    rank: int  # its largest LoRA rank
+
+
+@dataclass(frozen=True)
+class AdapterReport:
+    """What the engine holds and serves, adapter by adapter (engine/lora/report.py): a snapshot taken
+    between steps, read by the metrics of the model-server protocol (engine/server/model_server.py)."""
+
+    running: Mapping[str, int]  # adapter -> its requests in the running batch
+    waiting: Mapping[str, int]  # adapter -> its requests waiting to be scheduled
+    loaded: tuple[LoadedAdapter, ...]  # one per adapter held, at its nearest level (gpu before cpu)
+    reclaimable_pages: int  # pool pages of unused adapters and unread cached prefixes: freed when wanted
+    largest_adapter_pages: int  # pool pages of the largest registered adapter (0: none registered)
+    load_seconds: tuple[float, ...]  # each load into the pool since the previous report, in order

@@ -65,6 +65,11 @@ class HostCache:
         with self._lock:
             return name in self._packed
 
+    def packed_names(self) -> list[str]:
+        """The adapters packed and waiting here now, least recently used first."""
+        with self._lock:
+            return list(self._packed)
+
     def ready(self, name: str) -> bool:
         """Packed and waiting: handing it out will not block."""
         return name in self

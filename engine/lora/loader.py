@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -70,6 +71,8 @@ class AdapterLoader:
         self.tables = ResidentTables(base.num_layers, pool_rows.device)
         self.loads = 0  # copies into the pool
         self.load_seconds = 0.0  # time spent loading (host reads included when not prefetched)
+        # Each load's seconds until the metrics take them (take_load_times); bounded, should nobody take them.
+        self.load_times: deque[float] = deque(maxlen=4096)
         registry.listeners.append(self)
 
     @property
@@ -96,6 +99,12 @@ class AdapterLoader:
                 self.registry.load_failed(load.name, failure.reason, failure.at_fault)
                 failures.append(failure)
         return failures
+
+    def take_load_times(self) -> tuple[float, ...]:
+        """The seconds of each load since the last call, oldest first (and forget them)."""
+        times = tuple(self.load_times)
+        self.load_times.clear()
+        return times
 
     def close(self) -> None:
         self.host.close()
@@ -135,8 +144,10 @@ class AdapterLoader:
         self.resident[load.name] = resident
         self.tables.add(load.name, adapter_meta(resident, self.base, self.head_dim))  # once per load
         self.registry.loaded(load.name)
+        elapsed = time.perf_counter() - began
         self.loads += 1
-        self.load_seconds += time.perf_counter() - began
+        self.load_seconds += elapsed
+        self.load_times.append(elapsed)
         log.debug("loaded adapter %s into %d pages", load.name, len(load.pages))
         return None
 

@@ -8,8 +8,9 @@ after its first output (or failure), so an adapter that cannot load still answer
 
 Trust: the gateway sends the internal token with tenant and adapter headers, in the terms of the wire
 contract both sides import (loraplex.wire: header names, `id:` adapter names, error codes). With a token
-configured (LORAPLEX_INTERNAL_TOKEN, as on every cluster), nothing but /health, /ready and /metrics
-(open for probes and the autoscaler) is served without it: 401, compared in constant time.
+configured (LORAPLEX_INTERNAL_TOKEN, as on every cluster), nothing but /health and /ready (kubelet's
+probes) is served without it: 401, compared in constant time. /metrics needs it too (the operator's
+autoscaler sends it; Prometheus may send it as `Authorization: Bearer`, which only /metrics reads).
 Without a token configured, the tenant and adapter headers and the adapter-management endpoints are
 refused, and /v1/ serves the base model and the adapters registered at start (`loraplex serve` alone).
 
@@ -63,7 +64,7 @@ from .delivery import (
     output_failure,
     unless_disconnected,
 )
-from .metrics import ServerMetrics
+from .metrics import ServerMetrics, TenantLabels, tenant_label_key
 from .protocol import OpenAIError, bad_request
 from .settings import ServerSettings
 
@@ -433,7 +434,11 @@ def create_app(
     """The server app. `engine_factory` builds the engine (default: from `settings`); `on_fatal` is
     told when the model or a start adapter fails to load (the CLI exits then)."""
     settings = settings or ServerSettings()
-    metrics = ServerMetrics(settings.tenant_label_limit)
+    tenant_labels = None
+    if settings.tenant_metrics:
+        token = settings.internal_token.get_secret_value() if settings.internal_token else None
+        tenant_labels = TenantLabels(settings.tenant_label_limit, tenant_label_key(token))
+    metrics = ServerMetrics(tenant_labels, model_name=settings.model_name)
     state = ServerState(settings, metrics, on_fatal)
 
     def default_factory() -> LLMEngine:
@@ -651,13 +656,16 @@ def token_matches(presented: str, token: SecretStr) -> bool:
     return hmac.compare_digest(presented.encode(), token.get_secret_value().encode())
 
 
-OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})  # kubelet probes and the autoscaler carry no token
+OPEN_PATHS = frozenset({"/health", "/ready"})  # kubelet's probes carry no token
+# Behind the token like the API (it shows what each adapter and tenant is doing); Prometheus can send a
+# bearer token from a Secret but no header of ours, so this path also reads `Authorization: Bearer`.
+METRICS_PATH = "/metrics"
 
 
 class InternalTokenGate:
     """With a token configured, every path but OPEN_PATHS answers 401 to a request without it before
-    its body is read or parsed (the API, its OpenAPI document, adapter management): a stranger learns
-    nothing of the API and costs the engine nothing."""
+    its body is read or parsed (the API, its OpenAPI document, adapter management, metrics): a stranger
+    learns nothing of the API and costs the engine nothing."""
 
     def __init__(self, app: ASGIApp, token: SecretStr | None):
         self.app = app
@@ -667,19 +675,32 @@ class InternalTokenGate:
         if self.token is None or scope["type"] != "http" or scope["path"] in OPEN_PATHS:
             await self.app(scope, receive, send)
             return
-        presented = dict(scope["headers"]).get(wire.INTERNAL_TOKEN_HEADER.lower().encode())
+        headers = dict(scope["headers"])
+        presented = headers.get(wire.INTERNAL_TOKEN_HEADER.lower().encode())
+        metrics = scope["path"] == METRICS_PATH
+        if presented is None and metrics:
+            presented = bearer_token(headers.get(b"authorization"))
         if presented is not None and token_matches(presented.decode("latin-1"), self.token):
             await self.app(scope, receive, send)
             return
         missing = presented is None
+        asked = f"the {wire.INTERNAL_TOKEN_HEADER} header" + (" or Authorization: Bearer" if metrics else "")
         body = wire.error_body(
-            f"this engine serves only the gateway: send the {wire.INTERNAL_TOKEN_HEADER} header"
+            f"this engine serves only the gateway: send {asked}"
             if missing
             else "the internal token is wrong",
             wire.INVALID_REQUEST,
             wire.MISSING_INTERNAL_TOKEN if missing else wire.INVALID_INTERNAL_TOKEN,
         )
         await JSONResponse(body, 401)(scope, receive, send)
+
+
+def bearer_token(authorization: bytes | None) -> bytes | None:
+    """The token of an `Authorization: Bearer <token>` header (any case of the scheme); None without one."""
+    if authorization is None:
+        return None
+    scheme, _, token = authorization.strip().partition(b" ")
+    return token.strip() if scheme.lower() == b"bearer" and token.strip() else None
 
 
 class BodySizeLimit:

@@ -165,6 +165,7 @@ class AsyncEngine:
         self.page_size = engine.config.page_size
         self.pool_tokens = (engine.stats().num_pages - 1) * self.page_size  # less the zero page
         self.metrics.observe_model(engine.weight_bytes, engine.loaded.quantization)
+        self.metrics.observe_capacity(engine.config, engine.stats())
         # Read by the event loop, written by the loop thread from engine.stats(): plain ints.
         self.waiting = 0
         self.running = 0
@@ -559,5 +560,6 @@ class AsyncEngine:
             return
         self._last_publish = now
         metrics.observe_engine(stats)
+        metrics.observe_adapters(self.engine.adapter_report(), stats)  # per publish, not per step
         # What this thread adds that the engine cannot know: requests posted but not handed over yet.
         metrics.observe_queue(self.waiting + self._pending_adds, self.running)

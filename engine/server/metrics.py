@@ -1,8 +1,13 @@
-"""The server's Prometheus series, all named loraplex_*, in a registry of their own.
+"""The server's Prometheus series: our own, named loraplex_*, and the model-server protocol's vllm:* ones
+(model_server.py), in a registry of their own. /metrics serves them to holders of the internal token only.
 
 A registry per app (not prometheus-client's global one) lets several servers live in one process, as
 the tests run them. The operator autoscales on three gauges whose names are a contract
 (operator/metrics.py): loraplex_requests_waiting, loraplex_requests_running, loraplex_pool_utilization.
+
+Tenants: tokens per tenant are counted only when the operator turns it on (`tenant_metrics`), and then
+under an opaque id (`opaque_tenant_id`), never the tenant's id or name: whoever reads /metrics learns how
+much some tenant used, not who it is.
 
 Engine-side figures are read by the engine thread (the only one allowed to touch the engine) and
 pushed here; prometheus-client's metrics are thread-safe, so /metrics reads them from the event loop.
@@ -10,12 +15,21 @@ pushed here; prometheus-client's metrics are thread-safe, so /metrics reads them
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import os
 import threading
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from loraplex.engine.stats import EngineStats
+from loraplex.engine.stats import AdapterReport, EngineStats
+
+from .model_server import Capacity, ModelServerMetrics
+
+if TYPE_CHECKING:
+    from loraplex.engine.config import EngineConfig
 
 # Seconds: CPU decode steps take tens of milliseconds, GPU steps a few; long tails reach minutes.
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -24,31 +38,91 @@ OTHER_TENANTS = "other"
 NO_TENANT = "none"
 
 
-class TenantLabels:
-    """Bounded label cardinality: the first `limit` tenants seen get their own label, the rest share
-    `other`, so a flood of tenants cannot grow the series count without bound."""
+def opaque_tenant_id(key: bytes, tenant: str) -> str:
+    """A tenant's label: `t-` and 16 hex digits of HMAC-SHA256 under `key` (the server derives it from the
+    internal token, so one tenant has the same label on every engine of a cluster and sums across pods
+    work, while nobody without the token can tell which tenant a label is, even by hashing guesses)."""
+    digest = hmac.new(key, b"loraplex tenant label\x00" + tenant.encode(), hashlib.sha256).hexdigest()
+    return "t-" + digest[:16]
 
-    def __init__(self, limit: int):
+
+def tenant_label_key(internal_token: str | None) -> bytes:
+    """The key of the tenant labels: from the internal token; without one, nobody is a tenant (tenant
+    headers are refused), and a key of its own per process serves."""
+    if internal_token is None:
+        return os.urandom(32)
+    return hashlib.sha256(b"loraplex tenant labels\x00" + internal_token.encode()).digest()
+
+
+class TenantLabels:
+    """Opaque labels of bounded cardinality: the first `limit` tenants seen get a label of their own, the
+    rest share `other`, so a flood of tenants cannot grow the series count without bound."""
+
+    def __init__(self, limit: int, key: bytes):
         self.limit = limit
+        self.key = key
         self._known: set[str] = set()
         self._lock = threading.Lock()
 
     def label(self, tenant: str | None) -> str:
         if not tenant:
             return NO_TENANT
+        opaque = opaque_tenant_id(self.key, tenant)
         with self._lock:
-            if tenant in self._known:
-                return tenant
+            if opaque in self._known:
+                return opaque
             if len(self._known) < self.limit:
-                self._known.add(tenant)
-                return tenant
+                self._known.add(opaque)
+                return opaque
         return OTHER_TENANTS
 
 
+class TenantCounters:
+    """Tokens per tenant, under opaque labels: what the operator turns on with `tenant_metrics`."""
+
+    def __init__(self, registry: CollectorRegistry, labels: TenantLabels):
+        self.labels = labels
+        self.prompt_tokens = Counter(
+            "loraplex_tenant_prompt_tokens",
+            "Prompt tokens admitted, by opaque tenant id.",
+            ["tenant"],
+            registry=registry,
+        )
+        self.generation_tokens = Counter(
+            "loraplex_tenant_generation_tokens",
+            "Tokens generated, by opaque tenant id.",
+            ["tenant"],
+            registry=registry,
+        )
+
+    def count_prompt(self, tenant: str | None, tokens: int) -> None:
+        self.prompt_tokens.labels(self.labels.label(tenant)).inc(tokens)
+
+    def count_generated(self, tenant: str | None, tokens: int) -> None:
+        self.generation_tokens.labels(self.labels.label(tenant)).inc(tokens)
+
+
+class NoTenantCounters:
+    """Per-tenant counting off (the default): no series names or counts any tenant."""
+
+    def count_prompt(self, tenant: str | None, tokens: int) -> None:
+        pass
+
+    def count_generated(self, tenant: str | None, tokens: int) -> None:
+        pass
+
+
 class ServerMetrics:
-    def __init__(self, tenant_label_limit: int = 64, registry: CollectorRegistry | None = None):
+    def __init__(
+        self,
+        tenant_labels: TenantLabels | None = None,
+        registry: CollectorRegistry | None = None,
+        model_name: str = "",
+    ):
+        """`tenant_labels`: count tokens per tenant under these labels (None: no per-tenant series)."""
         self.registry = r = registry or CollectorRegistry()
-        self.tenants = TenantLabels(tenant_label_limit)
+        self.tenants = NoTenantCounters() if tenant_labels is None else TenantCounters(r, tenant_labels)
+        self.model_server = ModelServerMetrics(r, model_name)
 
         self.requests_waiting = Gauge(
             "loraplex_requests_waiting", "Requests admitted but not yet scheduled.", registry=r
@@ -101,12 +175,6 @@ class ServerMetrics:
         )
         self.prompt_tokens = Counter("loraplex_prompt_tokens", "Prompt tokens admitted.", registry=r)
         self.generation_tokens = Counter("loraplex_generation_tokens", "Tokens generated.", registry=r)
-        self.tenant_prompt_tokens = Counter(
-            "loraplex_tenant_prompt_tokens", "Prompt tokens admitted, by tenant.", ["tenant"], registry=r
-        )
-        self.tenant_generation_tokens = Counter(
-            "loraplex_tenant_generation_tokens", "Tokens generated, by tenant.", ["tenant"], registry=r
-        )
         self.time_to_first_token = Histogram(
             "loraplex_time_to_first_token_seconds",
             "From a request's arrival to its first generated token.",
@@ -164,6 +232,18 @@ class ServerMetrics:
         """Set once when the engine is made: the weights do not change while it serves."""
         self.model_weight_bytes.labels(quantization).set(weight_bytes)
 
+    def observe_capacity(self, config: EngineConfig, stats: EngineStats) -> None:
+        """Set once when the engine is made: the pool's shape and the batch's bounds."""
+        self.model_server.configure(
+            Capacity(
+                block_size=config.page_size,
+                num_blocks=stats.num_pages - stats.pages.get("reserved", 0),
+                max_num_seqs=config.max_num_seqs,
+                max_resident_adapters=config.max_resident_adapters,
+                prefix_caching=stats.prefix is not None,
+            )
+        )
+
     def observe_pool(self, pages_by_kind: Mapping[str, int], num_pages: int) -> None:
         for kind in ("kv", "prefix", "adapter", "free", "reserved"):
             self.pool_pages.labels(kind).set(pages_by_kind.get(kind, 0))
@@ -175,6 +255,11 @@ class ServerMetrics:
     def observe_queue(self, waiting: int, running: int) -> None:
         self.requests_waiting.set(waiting)
         self.requests_running.set(running)
+        self.model_server.observe_queue(waiting, running)
+
+    def observe_adapters(self, report: AdapterReport, stats: EngineStats) -> None:
+        """What the engine holds and serves, for the model-server protocol (taken with `stats`)."""
+        self.model_server.observe(report, stats)
 
     def observe_engine(self, stats: EngineStats) -> None:
         """Pool, queue and adapter figures from one engine.stats() snapshot."""
@@ -211,8 +296,8 @@ class ServerMetrics:
 
     def count_prompt(self, tenant: str | None, tokens: int) -> None:
         self.prompt_tokens.inc(tokens)
-        self.tenant_prompt_tokens.labels(self.tenants.label(tenant)).inc(tokens)
+        self.tenants.count_prompt(tenant, tokens)
 
     def count_generated(self, tenant: str | None, tokens: int) -> None:
         self.generation_tokens.inc(tokens)
-        self.tenant_generation_tokens.labels(self.tenants.label(tenant)).inc(tokens)
+        self.tenants.count_generated(tenant, tokens)

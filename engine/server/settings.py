@@ -102,7 +102,16 @@ class ServerSettings(BaseSettings):
     drain_timeout_s: Annotated[
         float, Opt("seconds SIGTERM waits for running requests before cancelling them", minimum=0)
     ] = 30.0
-    tenant_label_limit: Annotated[int, Opt("tenants with a metrics label of their own", minimum=0)] = 64
+    tenant_metrics: Annotated[
+        bool,
+        Opt(
+            "count tokens per tenant on /metrics, each tenant under an opaque id (a keyed hash of it under "
+            "the internal token, never its id or name)"
+        ),
+    ] = False
+    tenant_label_limit: Annotated[
+        int, Opt("tenants with a metrics label of their own (with tenant_metrics)", minimum=0)
+    ] = 64
     internal_token: SecretStr | None = None
     adapters: list[str] = Field(default_factory=list, description="NAME=PATH_OR_URI[@SHA256] at start")
 

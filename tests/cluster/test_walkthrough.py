@@ -87,6 +87,7 @@ class Platform:
     shell: list[str]  # bash in the workstation namespace, as the walkthrough ran
     env: dict[str, str]
     workdir: Path
+    internal_token: str = ""  # the chart's: engines serve /metrics to its holders only
 
     def run_doc_commands(self, script: str) -> str:
         done = subprocess.run(
@@ -107,6 +108,17 @@ class Platform:
 
     def admin(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.admin_token}"}
+
+    def generated_tokens(self, pod: dict[str, Any]) -> float:
+        """The pod's loraplex_generation_tokens_total, read as Prometheus would: with the bearer token."""
+        response = httpx.get(
+            f"http://{pod['status']['podIP']}:8000/metrics",
+            headers={"Authorization": f"Bearer {self.internal_token}"},
+            timeout=10,
+        )
+        assert response.status_code == 200, response.text
+        match = re.search(r"^loraplex_generation_tokens_total (\S+)$", response.text, re.MULTILINE)
+        return float(match.group(1)) if match else 0.0
 
 
 def _ready(pod: dict[str, Any]) -> bool:
@@ -176,7 +188,8 @@ def platform(cluster: ClusterInABox, tmp_path_factory: pytest.TempPathFactory) -
     assert secret is not None
     from tests.cluster.kube import secret_data
 
-    yield Platform(cluster, output, secret_data(secret)["admin-token"], shell, env, workdir)
+    tokens = secret_data(secret)
+    yield Platform(cluster, output, tokens["admin-token"], shell, env, workdir, tokens["internal-token"])
 
 
 class _suppress:
@@ -258,12 +271,6 @@ def upload(url: str, key: str, name: str) -> None:
     assert uploaded.status_code == 201, uploaded.text
 
 
-def _generated_tokens(pod: dict[str, Any]) -> float:
-    text = httpx.get(f"http://{pod['status']['podIP']}:8000/metrics", timeout=10).text
-    match = re.search(r"^loraplex_generation_tokens_total (\S+)$", text, re.MULTILINE)
-    return float(match.group(1)) if match else 0.0
-
-
 def _tenant_client(platform: Platform, url: str) -> OpenAI:
     tenant = httpx.post(f"{url}/admin/v1/tenants", json={"name": f"t{os.urandom(3).hex()}"},
                         headers=platform.admin()).json()  # fmt: skip
@@ -283,7 +290,7 @@ def _ask(client: OpenAI) -> str:
 
 
 def _serving_pods(platform: Platform, before: dict[str, float]) -> set[str]:
-    after = {p["metadata"]["name"]: _generated_tokens(p) for p in platform.ready_engines()}
+    after = {p["metadata"]["name"]: platform.generated_tokens(p) for p in platform.ready_engines()}
     return {name for name, tokens in after.items() if tokens > before.get(name, 0.0)}
 
 
@@ -291,14 +298,14 @@ def test_an_adapter_stays_on_one_pod_and_moves_when_that_pod_is_deleted(platform
     replica_a, replica_b = platform.web_urls()
     client_a = _tenant_client(platform, replica_a)
     client_b = OpenAI(base_url=f"{replica_b}/v1", api_key=client_a.api_key, max_retries=0, timeout=120)
-    before = {p["metadata"]["name"]: _generated_tokens(p) for p in platform.ready_engines()}
+    before = {p["metadata"]["name"]: platform.generated_tokens(p) for p in platform.ready_engines()}
     for client in (client_a, client_b, client_a, client_b):  # both control-plane replicas agree
         assert uppercase_share(_ask(client)) >= 0.9
     (holder,) = _serving_pods(platform, before)
 
     platform.cluster.client.delete("Pod", holder, NAMESPACE)
     wait_for(lambda: holder not in {p["metadata"]["name"] for p in platform.engine_pods()}, timeout=30)
-    before = {p["metadata"]["name"]: _generated_tokens(p) for p in platform.ready_engines()}
+    before = {p["metadata"]["name"]: platform.generated_tokens(p) for p in platform.ready_engines()}
     for client in (client_a, client_b, client_a):  # no error on new requests
         assert uppercase_share(_ask(client)) >= 0.9
     (new_holder,) = _serving_pods(platform, before)
@@ -320,7 +327,7 @@ def test_scaling_the_inference_deployment_to_3_adds_the_pod_to_routing(platform:
 def test_a_pod_dying_mid_stream_gives_an_error_event_and_usage_is_still_recorded(platform: Platform) -> None:
     url = platform.web_urls()[0]
     client = _tenant_client(platform, url)
-    before = {p["metadata"]["name"]: _generated_tokens(p) for p in platform.ready_engines()}
+    before = {p["metadata"]["name"]: platform.generated_tokens(p) for p in platform.ready_engines()}
     _ask(client)
     (holder,) = _serving_pods(platform, before)
     runtime = platform.cluster.kubelet.pods[f"{NAMESPACE}/{holder}"]

@@ -1,4 +1,5 @@
-"""The scheduler, the pool and the adapter registry are bookkeeping: no torch, no file access.
+"""The scheduler, the pool, the adapter registry and the adapter report are bookkeeping: no torch, no file
+access.
 
 Proved in a fresh interpreter where importing torch fails and an audit hook refuses every file open or
 directory read once the modules are imported: a workload of scheduling (chunked prefill, preemption,
@@ -27,6 +28,7 @@ WORKLOAD = textwrap.dedent(
     from types import SimpleNamespace
 
     from loraplex.engine.lora.registry import AdapterRegistry
+    from loraplex.engine.lora.report import adapter_report
     from loraplex.engine.pool import PagePool
     from loraplex.engine.request import Request
     from loraplex.engine.sampling_params import SamplingParams
@@ -34,7 +36,7 @@ WORKLOAD = textwrap.dedent(
     from loraplex.engine.stopping import StopChecker
 
     class Source:
-        manifest = SimpleNamespace(sha256="0" * 64)
+        manifest = SimpleNamespace(sha256="0" * 64, ranks=(4,))
 
     armed = False
     touched = []
@@ -61,9 +63,12 @@ WORKLOAD = textwrap.dedent(
         scheduler.add(request)
     registry.mark_failed("bad", "refused")
     registry.unregister("gone")
-    steps = preempted = loads = 0
+    steps = preempted = loads = reported = 0
+    host = SimpleNamespace(packed_names=lambda: ["c"])  # the host cache's bookkeeping, without its packs
+    loader = SimpleNamespace(take_load_times=lambda: ())
     while scheduler.has_unfinished():
         plan = scheduler.schedule()
+        reported += bool(adapter_report(scheduler, registry, host, loader).running)
         for load in plan.adapter_loads:
             registry.loaded(load.name)
         loads += len(plan.adapter_loads)
@@ -75,7 +80,7 @@ WORKLOAD = textwrap.dedent(
     assert not touched, touched
     reasons = [r.finish_reason for r in requests]
     assert reasons == ["length"] * 6 + ["error", "length"], reasons
-    assert registry.entry("gone") is None and registry.evictions > 0 and loads > 3
+    assert registry.entry("gone") is None and registry.evictions > 0 and loads > 3 and reported > 0
     print("torch" in sys.modules, preempted > 0)
     """
 )

@@ -48,7 +48,10 @@ class Server:
         return self.state.engine.engine
 
     def metrics(self) -> str:
-        return httpx.get(f"{self.url}/metrics", timeout=10).text
+        """/metrics as the operator reads it: with the internal token (a server without one ignores it)."""
+        response = httpx.get(f"{self.url}/metrics", headers=INTERNAL, timeout=10)
+        assert response.status_code == 200, response.text
+        return response.text
 
     def sample(self, name: str, labels: str = "") -> float:
         """One sample's value from /metrics, e.g. sample("loraplex_pool_pages", 'kind="kv"')."""

@@ -9,7 +9,7 @@ from pydantic import ValidationError
 
 from loraplex.engine.request import TokenLogprob
 from loraplex.engine.server import limits, protocol
-from loraplex.engine.server.metrics import ServerMetrics, TenantLabels
+from loraplex.engine.server.metrics import ServerMetrics, TenantLabels, opaque_tenant_id
 from loraplex.engine.server.settings import ServerSettings, parse_adapter_arg
 
 
@@ -62,9 +62,11 @@ def test_adapter_arguments() -> None:
     assert ServerSettings().resolve_adapter_uri("rel") == "rel"
 
 
-def test_tenant_labels_are_bounded() -> None:
-    labels = TenantLabels(limit=2)
-    assert [labels.label(t) for t in ("a", "b", "c", "a", None)] == ["a", "b", "other", "a", "none"]
+def test_tenant_labels_are_opaque_and_bounded() -> None:
+    labels = TenantLabels(limit=2, key=b"key")
+    a, b = opaque_tenant_id(b"key", "a"), opaque_tenant_id(b"key", "b")
+    assert [labels.label(t) for t in ("a", "b", "c", "a", None)] == [a, b, "other", a, "none"]
+    assert a != b and a != opaque_tenant_id(b"other key", "a")  # keyed: no label without the key
 
 
 def test_engine_totals_become_counter_increments() -> None:
