@@ -50,6 +50,15 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
+def readme_snippet(port: int, key: str) -> str:
+    """The README's Python example ("Calling it") as printed there, pointed at this run and its key."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme[readme.index("## Calling it") :]
+    snippet = section[section.index("```python\n") + len("```python\n") : section.index("```\n", 12)]
+    assert 'base_url="http://127.0.0.1:8080/v1", api_key="lpx_..."' in snippet
+    return snippet.replace("127.0.0.1:8080", f"127.0.0.1:{port}").replace('"lpx_..."', repr(key))
+
+
 class Up:
     """One `loraplex up` run: started, read until its banner is complete."""
 
@@ -106,6 +115,12 @@ def test_up_serves_the_demo_and_stops_everything(tmp_path: Path) -> None:
         snippet.write_text(first.block("python"))
         python = subprocess.run([sys.executable, str(snippet)], capture_output=True, text=True, timeout=120)
         assert python.returncode == 0, python.stderr
+        assert uppercase_share(python.stdout) >= 0.9, python.stdout
+
+        readme = tmp_path / "readme.py"
+        readme.write_text(readme_snippet(first.port, first.value("API key")))
+        python = subprocess.run([sys.executable, str(readme)], capture_output=True, text=True, timeout=120)
+        assert python.returncode == 0, python.stderr  # its `chunk.choices[0]` loop: no usage-only chunk
         assert uppercase_share(python.stdout) >= 0.9, python.stdout
 
         console = httpx.get(f"http://127.0.0.1:{first.port}/console/sign-in")
