@@ -34,7 +34,7 @@ from .detokenizer import IncrementalDetokenizer
 from .fairness import VirtualTokenCounter
 from .graphs import CudaGraphBackend, DecodeGraphs
 from .kv_cache import KVCache, page_bytes
-from .lora.loader import AdapterLoader, LoadFailure
+from .lora.loader import AdapterLoader, LoadFailed, LoadFailure
 from .lora.registry import AdapterRegistry
 from .lora.report import adapter_report
 from .lora.sources import AdapterSource, DirectorySource
@@ -252,6 +252,24 @@ class LLMEngine:
         copy are freed when its last request ends. AdapterError if it is not registered."""
         return self.registry.unregister(name)
 
+    def warm_adapter(self, name: str) -> str:
+        """Load a registered adapter before any request asks for it: "device" when it is in the pool now,
+        "host" when no pages could be had without taking them from a request (its host copy is being
+        packed: a request pays the copy into the pool, not the read). AdapterError if it is not registered
+        or is refused; LoadFailed when its weights could not be read (at fault, or the store did not
+        answer)."""
+        load = self.registry.warm(name)
+        if load is not None:
+            failures = self.loader.load([load])
+            if failures:
+                self.registry.unwarm(name)
+                raise LoadFailed(failures[0])
+        entry = self.registry.entry(name)
+        if entry is not None and entry.resident and entry.loaded:
+            return "device"
+        self.loader.prefetch([name])
+        return "host"
+
     def adapter(self, name: str) -> AdapterInfo | None:
         """The registered adapter `name` (None if unknown, or unregistered and draining), residency
         included: call it where the engine runs (another thread reads `adapter_view`)."""
@@ -454,7 +472,7 @@ class LLMEngine:
             plan.chunks = self.runner.order(plan.chunks)
             try:
                 logits, finite = self._launch(plan.chunks, feed=in_flight)
-                launched = _InFlight(plan, sample_step(logits, plan.sampling, finite))
+                launched = _InFlight(plan, self._sample(plan, logits, finite, outputs))
                 self.scheduler.advance(plan)
             except Exception as error:  # not queued: land the step in flight, then isolate the fault
                 self.loader.prefetch(self._next_adapters())

@@ -85,6 +85,11 @@ class HostCache:
             self._pending[name] = future
             self._workers.submit(self._fill, name, packer, future)
 
+    def pending(self, name: str) -> Future[PackedAdapter] | None:
+        """The prefetch of `name` in flight (or finished but not yet handed out), to wait on elsewhere."""
+        with self._lock:
+            return self._pending.get(name)
+
     def get(self, name: str, packer: Packer) -> PackedAdapter:
         """The packed adapter, waiting for a prefetch in flight or packing it now; raises what packing
         raised (an AdapterError when the weights cannot be read). A prefetch that failed is reported

@@ -52,6 +52,14 @@ class LoadFailure:
     at_fault: bool  # the adapter's weights are refused (False: its store did not answer)
 
 
+class LoadFailed(Exception):
+    """An adapter could not be loaded outside a step (a prewarm): the failure says why and whose fault."""
+
+    def __init__(self, failure: LoadFailure):
+        super().__init__(failure.reason)
+        self.failure = failure
+
+
 class AdapterLoader:
     def __init__(
         self,

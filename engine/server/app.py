@@ -630,6 +630,26 @@ def _add_adapter_routes(app: FastAPI, state: ServerState) -> None:
         manifest = await state.register(engine, body.name, body.uri, body.sha256)
         return wire.Registered(name=body.name, sha256=manifest.sha256, registered=True)
 
+    @app.post(wire.PREWARM_PATH, response_model=None)
+    async def prewarm_adapter(body: protocol.AdapterRegistration, request: Request) -> wire.Prewarmed:
+        state.require_internal(request)
+        engine = state.serving()
+        if state.is_base_model(body.name):
+            raise bad_request(f"{body.name!r} is the base model's name; pick another adapter name", "name")
+        await state.ensure_adapter(engine, body.name, body.uri, body.sha256)
+        try:
+            level = await engine.warm_adapter(body.name)
+        except UnknownAdapter as exc:  # unregistered again between the two calls
+            raise adapter_unavailable(f"adapter {body.name!r} was unregistered while warming") from exc
+        except AdapterFailed as exc:
+            raise adapter_failed(str(exc)) from exc
+        except AdapterUnavailable as exc:
+            raise adapter_unavailable(f"adapter {body.name!r}: {exc}") from exc
+        facts = engine.adapter(body.name)
+        sha256 = facts.sha256 if facts is not None else (body.sha256 or "")
+        log.info("prewarmed adapter %s (%s)", body.name, level)
+        return wire.Prewarmed(name=body.name, sha256=sha256, level=level)
+
     @app.delete(wire.ADAPTERS_PATH + "/{name:path}", response_model=None)
     async def unregister_adapter(name: str, request: Request) -> wire.Unregistered:
         state.require_internal(request)

@@ -30,6 +30,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -320,6 +321,35 @@ class AsyncEngine:
             return engine.unregister_adapter(name)
 
         return await self._call(unregister)
+
+    async def warm_adapter(self, name: str) -> str:
+        """Load a registered adapter ahead of its requests (LLMEngine.warm_adapter): its host copy is read
+        and packed off the loop thread, so the steps wait only for the copy into the pool. "device" or
+        "host"; UnknownAdapter, AdapterFailed (at fault) or AdapterUnavailable (the store did not answer)."""
+
+        def prefetch(engine: LLMEngine) -> Future[Any] | None:
+            if engine.adapter(name) is None:
+                raise UnknownAdapter(name)
+            engine.loader.prefetch([name])
+            return engine.loader.host.pending(name)
+
+        def warm(engine: LLMEngine) -> str:
+            from loraplex.engine.lora.loader import LoadFailed  # torch's side: imported on the loop thread
+
+            try:
+                return engine.warm_adapter(name)
+            except LoadFailed as exc:
+                if exc.failure.at_fault:
+                    raise AdapterFailed(f"adapter {name!r} could not be loaded: {exc}") from exc
+                raise AdapterUnavailable(str(exc)) from exc
+            except AdapterError as exc:
+                raise AdapterFailed(str(exc)) from exc
+
+        packing = await self._call(prefetch)
+        if packing is not None:  # its failure, if any, is the load's to report (the get after it)
+            with contextlib.suppress(Exception):
+                await asyncio.wrap_future(packing)
+        return await self._call(warm)
 
     def adapter(self, name: str) -> AdapterFacts | None:
         """The registered adapter `name` (None: not registered, or unregistered and draining), from the
