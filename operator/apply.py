@@ -136,17 +136,24 @@ async def apply_objects(
     return result
 
 
-async def delete_stale(client: KubeClient, idep: InferenceDeployment, kinds_wanted: set[str]) -> list[str]:
-    """Remove an HPA left from hpa mode once the spec moved to builtin or off (it would fight us); returns
-    the description of a same-named HPA we do not control, which stays."""
-    if "HorizontalPodAutoscaler" in kinds_wanted:
-        return []
-    current = await client.get("HorizontalPodAutoscaler", idep.namespace, child_name(idep))
-    if current is None:
-        return []
-    if not is_controlled_by(current, idep):
-        return [describe_foreign(current, idep)]
-    await client.delete(
-        "HorizontalPodAutoscaler", idep.namespace, child_name(idep), uid=current["metadata"]["uid"]
-    )
-    return []
+async def delete_stale(
+    client: KubeClient,
+    idep: InferenceDeployment,
+    kinds_wanted: set[str],
+    optional_kinds: tuple[str, ...] = ("HorizontalPodAutoscaler",),
+) -> list[str]:
+    """Remove a child of an optional kind the spec no longer asks for: an HPA left from hpa mode (it would
+    fight us), an InferencePool once spec.inferencePool is gone. Returns the description of each
+    same-named one we do not control, which stays."""
+    foreign = []
+    for kind in optional_kinds:
+        if kind in kinds_wanted:
+            continue
+        current = await client.get(kind, idep.namespace, child_name(idep))
+        if current is None:
+            continue
+        if not is_controlled_by(current, idep):
+            foreign.append(describe_foreign(current, idep))
+            continue
+        await client.delete(kind, idep.namespace, child_name(idep), uid=current["metadata"]["uid"])
+    return foreign

@@ -1,9 +1,12 @@
 """The replica decision: the Kubernetes HPA algorithm as a pure function of metrics, state and time.
 
-1. ratio = mean(per-pod metric) / target over ready pods; within ±tolerance (10%) keep the replica count.
-   Pods that exist but report nothing count as 0 when scaling up and as exactly `target` when scaling down
-   (the HPA's conservative rule), so starting pods neither trigger more scale-up nor invite a scale-down.
-2. raw = ceil(ratio × counted pods).
+1. Per signal (operator/signals.py), ratio = mean(per-pod value) / target over ready pods; within
+   ±tolerance (10%) keep the replica count. Pods that exist but report nothing count as 0 when scaling up
+   and as exactly `target` when scaling down (the HPA's conservative rule), so starting pods neither
+   trigger more scale-up nor invite a scale-down.
+2. raw = ceil(ratio × counted pods) per signal; the largest wins (the HPA's rule for several metrics), and
+   names the signal that drove the decision. A signal without samples takes no part, except that while
+   one is missing the others may not scale down (the HPA's rule too: never shed capacity blind).
 3. Stabilization: scale up to the *lowest* recommendation of the last scaleUpStabilizationSeconds, down to
    the *highest* of the last scaleDownStabilizationSeconds (so a short dip never sheds replicas).
 4. Rate limits: at most +max(100%, 4 pods) per 15 s up, at most -50% per 60 s down.
@@ -13,6 +16,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 
@@ -20,7 +24,7 @@ from dataclasses import dataclass, field
 class ScalingPolicy:
     min_replicas: int
     max_replicas: int
-    target: float
+    targets: tuple[tuple[str, float], ...]  # (signal, per-pod target); the first is the primary
     tolerance: float = 0.1
     scale_up_window_s: float = 0.0
     scale_down_window_s: float = 300.0
@@ -34,16 +38,35 @@ class ScalingPolicy:
         if not 1 <= self.min_replicas <= self.max_replicas:
             bounds = f"{self.min_replicas}..{self.max_replicas}"
             raise ValueError(f"need 1 <= min_replicas <= max_replicas, got {bounds}")
-        if self.target <= 0:
-            raise ValueError(f"target must be positive, got {self.target}")
+        if not self.targets:
+            raise ValueError("a scaling policy needs at least one (signal, target)")
+        names = [name for name, _ in self.targets]
+        if len(set(names)) != len(names):
+            raise ValueError(f"each signal may have one target, got {names}")
+        for name, target in self.targets:
+            if not target > 0:
+                raise ValueError(f"the target of {name} must be positive, got {target}")
 
 
 @dataclass(frozen=True)
 class ScalingState:
-    """What the decision remembers: past raw recommendations and past replica changes, as (time, value)."""
+    """What the decision remembers: past raw recommendations and past replica changes, as (time, value),
+    and the counters each pod reported last (for the rate signals; read and written by signals.py)."""
 
     recommendations: tuple[tuple[float, int], ...] = ()
     changes: tuple[tuple[float, int], ...] = ()
+    counters: Mapping[str, tuple[float, Mapping[str, float]]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Reading:
+    """One signal's part in a decision: its mean per ready pod (None: no samples) and what it asked for."""
+
+    signal: str
+    target: float
+    value: float | None
+    raw: int
+    reason: str
 
 
 @dataclass(frozen=True)
@@ -51,35 +74,61 @@ class Decision:
     current: int
     desired: int
     raw: int
-    value: float | None  # mean per-pod metric over ready pods; None without samples
+    value: float | None  # the driving signal's mean per ready pod; None without samples
     reason: str
     state: ScalingState = field(repr=False, default_factory=ScalingState)
+    signal: str | None = None  # the signal whose recommendation won; None when none had samples
+    readings: tuple[Reading, ...] = ()
+    unplaced_adapters: int | None = None  # adapters in demand beyond every pod's slots (signals.py)
 
 
-def recommend(current: int, samples: list[float], policy: ScalingPolicy) -> tuple[int, float | None, str]:
-    """Steps 1-2: the raw recommendation from per-pod samples of the ready pods."""
+def recommend(
+    current: int, samples: Sequence[float], target: float, tolerance: float = 0.1
+) -> tuple[int, float | None, str]:
+    """Steps 1-2 for one signal: the raw recommendation from per-pod samples of the ready pods."""
     if not samples:
         return current, None, "NoMetrics"
     mean = sum(samples) / len(samples)
-    ratio = mean / policy.target
-    if abs(ratio - 1.0) <= policy.tolerance:
+    ratio = mean / target
+    if abs(ratio - 1.0) <= tolerance:
         return current, mean, "WithinTolerance"
     missing = max(0, current - len(samples))
     if missing:
-        assumed = 0.0 if ratio > 1 else policy.target
-        adjusted = (sum(samples) + missing * assumed) / (len(samples) + missing) / policy.target
+        assumed = 0.0 if ratio > 1 else target
+        adjusted = (sum(samples) + missing * assumed) / (len(samples) + missing) / target
         # Counting the silent pods may flip the direction or land inside the tolerance: then hold.
-        if abs(adjusted - 1.0) <= policy.tolerance or (adjusted > 1) != (ratio > 1):
+        if abs(adjusted - 1.0) <= tolerance or (adjusted > 1) != (ratio > 1):
             return current, mean, "WithinTolerance"
         return math.ceil(adjusted * (len(samples) + missing)), mean, "ScaleUp" if ratio > 1 else "ScaleDown"
     return math.ceil(ratio * len(samples)), mean, "ScaleUp" if ratio > 1 else "ScaleDown"
 
 
+def combine(current: int, readings: Sequence[Reading]) -> tuple[int, Reading | None, str]:
+    """The largest recommendation of the signals with samples, the reading behind it, and the reason."""
+    measured = [r for r in readings if r.value is not None]
+    if not measured:
+        return current, None, "NoMetrics"
+    best = max(measured, key=lambda r: r.raw)  # the first of equals: the primary signal leads ties
+    if len(measured) < len(readings) and best.raw < current:
+        return current, best, "SignalMissing"
+    return best.raw, best, best.reason
+
+
 def decide(
-    current: int, samples: list[float], policy: ScalingPolicy, state: ScalingState, now: float
+    current: int,
+    samples: Mapping[str, Sequence[float]],
+    policy: ScalingPolicy,
+    state: ScalingState,
+    now: float,
 ) -> Decision:
-    """The replica count to set now; `now` is seconds on any monotonic clock shared with `state`."""
-    raw, value, reason = recommend(current, samples, policy)
+    """The replica count to set now from each signal's per-pod samples (a signal absent from `samples`
+    has none); `now` is seconds on any monotonic clock shared with `state`."""
+    readings = tuple(
+        Reading(name, target, *_reading(recommend(current, samples.get(name, ()), target, policy.tolerance)))
+        for name, target in policy.targets
+    )
+    raw, driver, reason = combine(current, readings)
+    value = driver.value if driver is not None else None
     history = (*state.recommendations, (now, raw))
 
     up = min([raw, *(r for t, r in history if now - t <= policy.scale_up_window_s)])
@@ -105,8 +154,23 @@ def decide(
     new_state = ScalingState(
         recommendations=tuple((t, r) for t, r in history if now - t <= keep),
         changes=tuple((t, d) for t, d in changes if now - t <= period),
+        counters=state.counters,
     )
-    return Decision(current=current, desired=desired, raw=raw, value=value, reason=reason, state=new_state)
+    return Decision(
+        current=current,
+        desired=desired,
+        raw=raw,
+        value=value,
+        reason=reason,
+        state=new_state,
+        signal=driver.signal if driver is not None else None,
+        readings=readings,
+    )
+
+
+def _reading(recommendation: tuple[int, float | None, str]) -> tuple[float | None, int, str]:
+    raw, value, reason = recommendation
+    return value, raw, reason
 
 
 def _rate_limit(

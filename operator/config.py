@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 # What an unset (or empty) LORAPLEX_OPERATOR_ALLOWED_IMAGES permits: the project's own engine image, by
 # tag or digest. Anything else needs the admin to list it, or to opt out with ALLOW_ANY_IMAGE.
@@ -22,6 +22,11 @@ class OperatorConfig:
     allowed_images: tuple[str, ...] = DEFAULT_ALLOWED_IMAGES
     allow_any_image: bool = False
     allowed_secrets: tuple[str, ...] = ()  # `namespace/name` globs, e.g. `loraplex/loraplex-*`
+    # What the autoscaler presents to engines' /metrics (metrics.scrape_headers); the chart passes the
+    # internal token of its Secret. Empty: scrape without one (engines without a token serve it openly).
+    internal_token: str = field(default="", repr=False)
+    # Make an InferencePool for a CR that asks for one (the chart grants the RBAC only then).
+    inference_pools: bool = False
     # Exact names a podTemplate may use; none by default. A CSI driver mounts what it fetches (the Secrets
     # Store driver: a vault's secrets, which the Secret policy never sees), and a runtime class chooses how
     # the pod is isolated, so both are the admin's to permit.
@@ -55,7 +60,9 @@ class OperatorConfig:
                 # Empty means "not configured" (a chart renders an empty list so): keep the default.
                 if patterns:
                     values[spec.name] = patterns
-            elif spec.name == "allow_any_image":
+            elif spec.name == "internal_token":
+                values[spec.name] = raw.strip()
+            elif spec.name in ("allow_any_image", "inference_pools"):
                 if raw.strip().lower() not in ("true", "false"):
                     raise ValueError(f"{variable}={raw!r} must be true or false")
                 values[spec.name] = raw.strip().lower() == "true"

@@ -32,6 +32,8 @@ ROLLING_OUT = "RollingOut"
 POLICY_VIOLATION = "PolicyViolation"
 FOREIGN_OBJECT = "ForeignObject"
 INVALID_SPEC = "InvalidSpec"
+METRICS_REFUSED = "MetricsRefused"  # engines refused the autoscaler's token on /metrics
+INFERENCE_POOL_DISABLED = "InferencePoolDisabled"  # a CR asks for a pool the operator may not make
 # The API server refuses longer messages; a condition message is cut the same way.
 MAX_MESSAGE = 1024
 

@@ -28,6 +28,7 @@ KINDS: dict[str, tuple[str, str]] = {
     "Deployment": ("apps/v1", "deployments"),
     "PodDisruptionBudget": ("policy/v1", "poddisruptionbudgets"),
     "HorizontalPodAutoscaler": ("autoscaling/v2", "horizontalpodautoscalers"),
+    "InferencePool": ("inference.networking.k8s.io/v1", "inferencepools"),
     "Event": ("v1", "events"),
     "InferenceDeployment": ("loraplex.dev/v1alpha1", "inferencedeployments"),
 }

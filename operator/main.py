@@ -3,7 +3,9 @@
 Handlers stay thin: parse the body into a typed spec, compute `desired_objects`, apply, write status.
 Three triggers reach the same `reconcile`: kopf's create/update/resume, any event on an owned Deployment
 (a deleted or edited child is restored at once), and a per-object resync daemon that repairs drift in the
-children kopf does not watch (Service, ConfigMap, PDB, HPA). The builtin autoscaler is a second daemon.
+children kopf does not watch (Service, ConfigMap, PDB, HPA, InferencePool). The builtin autoscaler is a
+second daemon: it scrapes the engines, reads its signals (signals.py), decides (autoscaler.py), and says
+why in an Event and in status.autoscaling.
 
 No finalizer: nothing has to happen before an InferenceDeployment goes (its children go by owner
 references), so deleting one, or its namespace, never waits for the operator. kopf would put one on every
@@ -17,6 +19,7 @@ import asyncio
 import dataclasses
 import datetime
 import logging
+import math
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -26,19 +29,19 @@ import kopf
 
 from loraplex.operator import events, peering, policy
 from loraplex.operator.apply import ApplyResult, apply_objects, delete_stale, is_controlled_by
-from loraplex.operator.autoscaler import Decision, ScalingPolicy, ScalingState, decide
+from loraplex.operator.autoscaler import Decision, Reading, ScalingPolicy, ScalingState, decide
 from loraplex.operator.config import OperatorConfig
 from loraplex.operator.kube import KubeClient, KubeError, KubeSettings, load_api_client
-from loraplex.operator.metrics import ready_pod_targets, scrape
+from loraplex.operator.metrics import ready_pods, scrape_pods
 from loraplex.operator.resources import (
     MANAGED_BY,
-    METRIC_NAMES,
     child_name,
     desired_objects,
     endpoint,
     rollout_strategy,
     selector_string,
 )
+from loraplex.operator.signals import read_signals, unplaced_adapters
 from loraplex.operator.spec import GROUP, KIND, PLURAL, VERSION, InferenceDeployment, SpecError, parse
 from loraplex.operator.status import (
     degraded_status,
@@ -122,7 +125,7 @@ async def resync(body: kopf.Body, memo: kopf.Memo, stopped: kopf.DaemonStopped, 
 @per_object_daemon
 async def autoscale(body: kopf.Body, memo: kopf.Memo, stopped: kopf.DaemonStopped, **_: Any) -> None:
     state = ScalingState()
-    last: tuple[int, int, str] | None = None
+    last: tuple[int, int, str, str | None] | None = None
     while not await sleep_unless_stopped(stopped, memo.config.autoscale_seconds):
         if not await still_exists(memo.kube, body):
             return
@@ -141,8 +144,9 @@ async def autoscale(body: kopf.Body, memo: kopf.Memo, stopped: kopf.DaemonStoppe
         if decision is None:
             continue
         state = decision.state
-        if (decision.current, decision.desired, decision.reason) != last:
-            last = (decision.current, decision.desired, decision.reason)
+        # Written when the decision or the signal behind it changes, not every period.
+        if (decision.current, decision.desired, decision.reason, decision.signal) != last:
+            last = (decision.current, decision.desired, decision.reason, decision.signal)
             await write_status(memo.kube, body, {"autoscaling": decision_status(idep, decision)})
 
 
@@ -205,6 +209,20 @@ async def reconcile(kube: KubeClient, body: Mapping[str, Any], config: OperatorC
         await write_status(kube, body, degraded_status("InvalidSpec", str(error), generation))
         raise kopf.PermanentError(f"invalid InferenceDeployment spec: {error}") from error
     objects = desired_objects(idep)
+    problems = []
+    if idep.spec.inference_pool is not None and not config.inference_pools:
+        # Not granted (the chart gives the RBAC with this switch): the rest is applied, the pool reported.
+        objects = [obj for obj in objects if obj["kind"] != "InferencePool"]
+        problems.append(
+            "spec.inferencePool is set but this operator does not manage InferencePools: an admin sets "
+            "the chart value inferencePools.enabled=true (needs the InferencePool v1 CRD)"
+        )
+    # Optional kinds a spec change may remove; InferencePools only where the operator may touch them.
+    optional = (
+        ("HorizontalPodAutoscaler", "InferencePool")
+        if config.inference_pools
+        else ("HorizontalPodAutoscaler",)
+    )
     try:
         refused = await policy.check(kube, idep, config)
         if refused:
@@ -215,11 +233,14 @@ async def reconcile(kube: KubeClient, body: Mapping[str, Any], config: OperatorC
             await write_status(kube, body, status)
             return status
         result = await apply_objects(kube, objects, idep)
-        foreign = result.foreign + await delete_stale(kube, idep, {obj["kind"] for obj in objects})
+        foreign = result.foreign + await delete_stale(kube, idep, {obj["kind"] for obj in objects}, optional)
     except KubeError as error:
         if error.status == 409:  # someone wrote in between: read again shortly
             raise kopf.TemporaryError(f"conflict while applying children: {error}", delay=1) from error
-        await write_status(kube, body, degraded_status("ApplyFailed", str(error), generation))
+        message = str(error)
+        if error.status == 404 and "inferencepools" in message:
+            message += "; is the InferencePool CRD (inference.networking.k8s.io/v1) installed?"
+        await write_status(kube, body, degraded_status("ApplyFailed", message, generation))
         raise kopf.TemporaryError(f"cannot apply children, will retry: {error}", delay=15) from error
     await announce_changes(kube, body, idep, result)
     pods = await kube.list("Pod", idep.namespace, selector_string(idep))
@@ -235,6 +256,10 @@ async def reconcile(kube: KubeClient, body: Mapping[str, Any], config: OperatorC
         message = "; ".join(foreign)
         await warn(kube, body, events.FOREIGN_OBJECT, message)
         status = with_problem(status, "ForeignObject", message, generation)
+    if problems:
+        message = "; ".join(problems)
+        await warn(kube, body, events.INFERENCE_POOL_DISABLED, message)
+        status = with_problem(status, events.INFERENCE_POOL_DISABLED, message, generation)
     await write_status(kube, body, status)
     return status
 
@@ -301,16 +326,27 @@ def _same(old: Any, new: Any) -> bool:
 
 
 async def autoscale_once(memo: kopf.Memo, idep: InferenceDeployment, state: ScalingState) -> Decision | None:
-    """Scrape ready pods, decide, patch the Deployment's replicas. None when there is no Deployment yet."""
+    """Scrape ready pods, read the signals, decide, patch the Deployment's replicas; None when there is no
+    Deployment yet. The decision's state carries the counters for the next period's rates."""
     kube: KubeClient = memo.kube
     deployment = await kube.get("Deployment", idep.namespace, child_name(idep))
     if deployment is None or not is_controlled_by(deployment, idep):
         return None  # not there yet, or someone else's (reconcile reports that): never scale it
     current = int(deployment["spec"].get("replicas") or 0)
     pods = await kube.list("Pod", idep.namespace, selector_string(idep))
-    metric = METRIC_NAMES[idep.spec.autoscaling.metric]
-    samples = await scrape(memo.http, ready_pod_targets(pods), metric, memo.config.scrape_timeout_seconds)
-    decision = decide(current, samples, policy_for(idep), state, time.monotonic())
+    config: OperatorConfig = memo.config
+    scraped = await scrape_pods(
+        memo.http, ready_pods(pods), config.scrape_timeout_seconds, config.internal_token
+    )
+    subject = {"metadata": {"name": idep.name, "namespace": idep.namespace, "uid": idep.uid}}
+    if scraped.refused:
+        await events.post(kube, subject, events.WARNING, *refused_event(scraped.refused))
+    policy = policy_for(idep)
+    now = time.monotonic()
+    samples, counters = read_signals(
+        [name for name, _ in policy.targets], scraped.samples, state.counters, now
+    )
+    decision = decide(current, samples, policy, dataclasses.replace(state, counters=counters), now)
     if decision.desired != current:
         logger.info(
             "scaling %s/%s from %d to %d (%s, %s=%s)",
@@ -319,25 +355,43 @@ async def autoscale_once(memo: kopf.Memo, idep: InferenceDeployment, state: Scal
             current,
             decision.desired,
             decision.reason,
-            metric,
+            decision.signal,
             decision.value,
         )
         version = deployment["metadata"].get("resourceVersion")
         patch = {"metadata": {"resourceVersion": version}, "spec": {"replicas": decision.desired}}
         await kube.patch("Deployment", idep.namespace, child_name(idep), patch)
-        subject = {"metadata": {"name": idep.name, "namespace": idep.namespace, "uid": idep.uid}}
         await events.post(kube, subject, events.NORMAL, *scale_event(idep, decision))
-    return decision
+    unplaced = unplaced_adapters(scraped.samples)
+    return decision if unplaced is None else dataclasses.replace(decision, unplaced_adapters=unplaced)
+
+
+def refused_event(refused: tuple[str, ...]) -> tuple[str, str]:
+    """(reason, message) of the Warning when engines refuse the operator's internal token on /metrics."""
+    pods = ", ".join(refused[:5]) + (f" and {len(refused) - 5} more" if len(refused) > 5 else "")
+    return events.METRICS_REFUSED, (
+        f"engines refused the autoscaler's /metrics scrape (401/403) at {pods}: the Secret in "
+        "spec.internalTokenSecretRef must hold the internal token the operator has "
+        "(LORAPLEX_OPERATOR_INTERNAL_TOKEN; the chart passes its Secret's internal-token)"
+    )
 
 
 def scale_event(idep: InferenceDeployment, decision: Decision) -> tuple[str, str]:
-    """(reason, message) of the Event for a replica change: direction, why, and the metric behind it."""
-    scaling = idep.spec.autoscaling
+    """(reason, message) of the Event for a replica change: direction, why, the signal behind it and the
+    other signals' readings."""
+    signal = decision.signal or idep.spec.autoscaling.metric
+    target = dict(idep.spec.autoscaling.targets()).get(signal, idep.spec.autoscaling.target)
     value = "no samples" if decision.value is None else f"{decision.value:.4g} per ready pod"
     message = (
         f"scaled Deployment {child_name(idep)} from {decision.current} to {decision.desired} replicas "
-        f"({decision.reason}; {scaling.metric} {value}, target {scaling.target:g})"
+        f"({decision.reason}; {signal} {value}, target {target:g})"
     )
+    others = [r for r in decision.readings if r.signal != signal]
+    if others:
+        message += "; also " + ", ".join(
+            f"{r.signal} {'no samples' if r.value is None else f'{r.value:.4g}'} (target {r.target:g})"
+            for r in others
+        )
     return (events.SCALED_UP if decision.desired > decision.current else events.SCALED_DOWN), message
 
 
@@ -346,21 +400,38 @@ def policy_for(idep: InferenceDeployment) -> ScalingPolicy:
     return ScalingPolicy(
         min_replicas=idep.spec.replicas.min,
         max_replicas=idep.spec.replicas.max,
-        target=scaling.target,
+        targets=scaling.targets(),
         scale_up_window_s=scaling.scale_up_stabilization_seconds,
         scale_down_window_s=scaling.scale_down_stabilization_seconds,
     )
 
 
 def decision_status(idep: InferenceDeployment, decision: Decision) -> dict[str, Any]:
+    """status.autoscaling: the decision, the signal that drove it, and every signal's reading."""
+    signal = decision.signal or idep.spec.autoscaling.metric
     status: dict[str, Any] = {
         "time": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "metric": idep.spec.autoscaling.metric,
-        "target": idep.spec.autoscaling.target,
+        "metric": signal,
+        "target": dict(idep.spec.autoscaling.targets()).get(signal, idep.spec.autoscaling.target),
         "currentReplicas": decision.current,
         "desiredReplicas": decision.desired,
         "reason": decision.reason,
+        "signals": [_reading_status(reading) for reading in decision.readings],
     }
     if decision.value is not None:
         status["value"] = round(decision.value, 4)
+    if decision.unplaced_adapters is not None:
+        status["unplacedAdapters"] = decision.unplaced_adapters
     return status
+
+
+def _reading_status(reading: Reading) -> dict[str, Any]:
+    entry: dict[str, Any] = {
+        "metric": reading.signal,
+        "target": reading.target,
+        "recommendation": reading.raw,
+        "reason": reading.reason,
+    }
+    if reading.value is not None and math.isfinite(reading.value):
+        entry["value"] = round(reading.value, 4)
+    return entry

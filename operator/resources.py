@@ -1,7 +1,8 @@
 """The pure half of reconciliation: a validated InferenceDeployment in, the children it owns out.
 
-`desired_objects(idep)` returns plain dicts (Deployment, Service, ConfigMap, PodDisruptionBudget and, in
-hpa mode, a HorizontalPodAutoscaler) with owner references, so deleting the CR garbage-collects them.
+`desired_objects(idep)` returns plain dicts (Deployment, Service, ConfigMap, PodDisruptionBudget, in hpa
+mode a HorizontalPodAutoscaler, and with spec.inferencePool an InferencePool) with owner references, so
+deleting the CR garbage-collects them.
 Nothing here talks to a cluster; the handlers in main.py apply what this returns.
 """
 
@@ -12,6 +13,7 @@ import json
 from typing import Any
 
 from loraplex.operator.overlay import apply_overlay
+from loraplex.operator.signals import SIGNALS
 from loraplex.operator.spec import GROUP, KIND, VERSION, InferenceDeployment
 
 ENGINE_PORT = 8000
@@ -23,12 +25,11 @@ MANAGED_BY = "loraplex-operator"
 HASH_ANNOTATION = "loraplex.dev/desired-hash"
 # On the pod template: a changed ConfigMap rolls the pods, since envFrom is read only at start.
 CONFIG_HASH_ANNOTATION = "loraplex.dev/config-hash"
-# Pods answer the metrics the autoscaler and the HPA read under these names (see docs/operator.md).
-METRIC_NAMES = {
-    "waiting_requests": "loraplex_requests_waiting",
-    "running_requests": "loraplex_requests_running",
-    "pool_utilization": "loraplex_pool_utilization",
-}
+# The per-pod metric an HPA reads for each signal it can scale on: the engine's own gauges, or a
+# Prometheus adapter's rule over the engine's series (docs/operator.md gives the rules).
+METRIC_NAMES = {name: signal.hpa_metric for name, signal in SIGNALS.items() if signal.hpa_metric}
+# The InferencePool API (Gateway API Inference Extension) whose pools the operator may make.
+INFERENCE_POOL_API = "inference.networking.k8s.io/v1"
 
 
 def child_name(idep: InferenceDeployment) -> str:
@@ -63,6 +64,8 @@ def desired_objects(idep: InferenceDeployment) -> list[dict[str, Any]]:
     objects = [config, engine, service(idep), pod_disruption_budget(idep)]
     if idep.spec.autoscaling.mode == "hpa":
         objects.append(horizontal_pod_autoscaler(idep))
+    if idep.spec.inference_pool is not None:
+        objects.append(inference_pool(idep))
     for obj in objects:
         obj["metadata"].setdefault("annotations", {})[HASH_ANNOTATION] = content_hash(obj)
     return objects
@@ -278,18 +281,43 @@ def horizontal_pod_autoscaler(idep: InferenceDeployment) -> dict[str, Any]:
             "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": child_name(idep)},
             "minReplicas": idep.spec.replicas.min,
             "maxReplicas": idep.spec.replicas.max,
+            # Several metrics: the HPA takes the largest recommendation, as the builtin autoscaler does.
             "metrics": [
                 {
                     "type": "Pods",
                     "pods": {
-                        "metric": {"name": METRIC_NAMES[scaling.metric]},
-                        "target": {"type": "AverageValue", "averageValue": _quantity(scaling.target)},
+                        "metric": {"name": METRIC_NAMES[metric]},
+                        "target": {"type": "AverageValue", "averageValue": _quantity(target)},
                     },
                 }
+                for metric, target in scaling.targets()
             ],
             "behavior": {
                 "scaleUp": {"stabilizationWindowSeconds": scaling.scale_up_stabilization_seconds},
                 "scaleDown": {"stabilizationWindowSeconds": scaling.scale_down_stabilization_seconds},
+            },
+        },
+    }
+
+
+def inference_pool(idep: InferenceDeployment) -> dict[str, Any]:
+    """The engine pods as an InferencePool: selected by the same labels as the Service, on the engine's
+    port, with the team's endpoint picker. The pods speak the model-server protocol on that port
+    (OpenAI completions and chat, /metrics with the vllm:* series)."""
+    pool = idep.spec.inference_pool
+    assert pool is not None
+    return {
+        "apiVersion": INFERENCE_POOL_API,
+        "kind": "InferencePool",
+        "metadata": _metadata(idep),
+        "spec": {
+            "selector": {"matchLabels": selector_labels(idep)},
+            "targetPorts": [{"number": ENGINE_PORT}],
+            "endpointPickerRef": {
+                "kind": "Service",
+                "name": pool.endpoint_picker,
+                "port": {"number": pool.endpoint_picker_port},
+                "failureMode": pool.failure_mode,
             },
         },
     }

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 from loraplex.operator.autoscaler import ScalingPolicy, ScalingState, decide
 
+METRIC = "running_requests"  # what this load model produces per pod
+
 
 @dataclass(frozen=True)
 class Step:
@@ -60,22 +62,21 @@ def simulate(
     for t, load in trace:
         ready = sum(1 for s in started if t - s >= startup_s)
         per_pod = load * service_s / max(ready, 1)
-        decision = decide(replicas, [per_pod] * ready, policy, state, t)
+        decision = decide(replicas, {METRIC: [per_pod] * ready}, policy, state, t)
         state = decision.state
         if decision.desired > replicas:
             started += [t] * (decision.desired - replicas)
         elif decision.desired < replicas:
             started = started[: decision.desired]  # the oldest pods stay
         replicas = decision.desired
-        needed = min(
-            policy.max_replicas, max(policy.min_replicas, math.ceil(load * service_s / policy.target))
-        )
+        target = dict(policy.targets)[METRIC]
+        needed = min(policy.max_replicas, max(policy.min_replicas, math.ceil(load * service_s / target)))
         steps.append(Step(t=t, load=load, needed=needed, replicas=replicas, ready=ready))
     return steps
 
 
 def default_policy() -> ScalingPolicy:
-    return ScalingPolicy(min_replicas=1, max_replicas=24, target=8.0, scale_down_window_s=300.0)
+    return ScalingPolicy(min_replicas=1, max_replicas=24, targets=((METRIC, 8.0),), scale_down_window_s=300.0)
 
 
 def plot(steps: list[Step], path: str) -> None:

@@ -16,6 +16,7 @@ from typing import Any
 from loraplex.engine.model.quant_formats import QUANTIZATIONS  # torch-free: the engine's own choices
 from loraplex.operator.engine_args import ExtraArgsError, check_extra_args
 from loraplex.operator.overlay import OverlayError, PodTemplateOverlay, parse_pod_template
+from loraplex.operator.signals import SIGNALS
 
 GROUP = "loraplex.dev"
 VERSION = "v1alpha1"
@@ -27,7 +28,12 @@ KIND = "InferenceDeployment"
 MODEL_URI_SCHEMES = ("file", "s3", "hf")
 DTYPES = ("float32", "bfloat16", "float16")
 AUTOSCALING_MODES = ("builtin", "hpa", "off")
-METRICS = ("waiting_requests", "running_requests", "pool_utilization")
+METRICS = tuple(SIGNALS)
+# Each signal at most once, beside the primary `metric`.
+MAX_SIGNALS = len(METRICS) - 1
+FAILURE_MODES = ("FailClose", "FailOpen")  # an InferencePool's endpointPickerRef.failureMode
+# The endpoint picker's port when a CR names none: the port the inference extension's EPP serves on.
+DEFAULT_EPP_PORT = 9002
 # Surge: one extra pod during a rollout, none unavailable (needs a spare GPU); Replace: stop one pod, then
 # start its successor (no spare GPU needed, one replica fewer while it loads).
 ROLLOUT_STRATEGIES = ("Surge", "Replace")
@@ -52,6 +58,8 @@ _CPU = re.compile(r"^[0-9]+(\.[0-9]+)?m?$")
 _MEMORY = re.compile(f"^{_QUANTITY}$")
 # Children are named `<cr name>-engine`; a Service name is a DNS-1035 label of at most 63 characters.
 _NAME = re.compile(rf"^[a-z]([-a-z0-9]{{0,{MAX_NAME_LENGTH - 2}}}[a-z0-9])?$")
+# A Service's name (the endpoint picker's): a DNS-1035 label.
+_SERVICE_NAME = re.compile(r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
 # Secret and PVC names are DNS subdomains; Secret keys are [-._a-zA-Z0-9]+.
 _OBJECT_NAME = re.compile(r"^[a-z0-9]([-.a-z0-9]{0,251}[a-z0-9])?$")
 _SECRET_KEY = re.compile(r"^[-._a-zA-Z0-9]{1,253}$")
@@ -103,12 +111,34 @@ class ReplicasSpec:
 
 
 @dataclass(frozen=True)
+class SignalTarget:
+    metric: str
+    target: float
+
+
+@dataclass(frozen=True)
 class AutoscalingSpec:
     mode: str = "builtin"
     metric: str = "waiting_requests"
     target: float = 4.0
     scale_up_stabilization_seconds: int = 0
     scale_down_stabilization_seconds: int = 300
+    # More signals beside `metric`, each with its own per-pod target: the largest recommendation wins.
+    signals: tuple[SignalTarget, ...] = ()
+
+    def targets(self) -> tuple[tuple[str, float], ...]:
+        """(signal, target) pairs, the primary first."""
+        return ((self.metric, self.target), *((s.metric, s.target) for s in self.signals))
+
+
+@dataclass(frozen=True)
+class InferencePoolSpec:
+    """An `InferencePool` (inference.networking.k8s.io/v1) over the engine pods, for a team's own inference
+    gateway; the endpoint picker (EPP) is theirs, named here."""
+
+    endpoint_picker: str
+    endpoint_picker_port: int = DEFAULT_EPP_PORT
+    failure_mode: str = "FailClose"
 
 
 @dataclass(frozen=True)
@@ -154,6 +184,7 @@ class InferenceDeploymentSpec:
     model_cache: ModelCacheSpec = field(default_factory=ModelCacheSpec)
     rollout: RolloutSpec = field(default_factory=RolloutSpec)
     pod_template: PodTemplateOverlay = field(default_factory=PodTemplateOverlay)
+    inference_pool: InferencePoolSpec | None = None
 
 
 @dataclass(frozen=True)
@@ -206,6 +237,7 @@ def parse_spec(raw: Any) -> InferenceDeploymentSpec:
         model_cache=_parse_model_cache(_section(spec.get("modelCache"), "spec.modelCache")),
         rollout=_parse_rollout(_section(spec.get("rollout"), "spec.rollout")),
         pod_template=_parse_pod_template(spec.get("podTemplate")),
+        inference_pool=_parse_inference_pool(spec.get("inferencePool")),
     )
 
 
@@ -337,16 +369,8 @@ def _parse_autoscaling(raw: Mapping[str, Any]) -> AutoscalingSpec:
     where = "spec.autoscaling"
     mode = _choice(raw, "mode", AUTOSCALING_MODES, defaults.mode, where)
     metric = _choice(raw, "metric", METRICS, defaults.metric, where)
-    target = _number(raw, "target", defaults.target, 0.0, MAX_TARGET, where)
-    if target <= 0:
-        raise SpecError("spec.autoscaling.target must be greater than 0")
-    if metric == "pool_utilization" and target > 1:
-        raise SpecError(f"spec.autoscaling.target {target} is above 1 for pool_utilization (a fraction 0..1)")
-    if mode == "hpa" and target < MIN_HPA_TARGET:
-        raise SpecError(
-            f"spec.autoscaling.target {target} is below {MIN_HPA_TARGET}, the smallest target an HPA "
-            "quantity can carry (1m)"
-        )
+    target = _signal_target(raw, metric, mode, defaults.target, where)
+    signals = _parse_signals(raw.get("signals", []), metric, mode)
     return AutoscalingSpec(
         mode=mode,
         metric=metric,
@@ -367,6 +391,65 @@ def _parse_autoscaling(raw: Mapping[str, Any]) -> AutoscalingSpec:
             MAX_STABILIZATION_SECONDS,
             where,
         ),
+        signals=signals,
+    )
+
+
+def _signal_target(raw: Mapping[str, Any], metric: str, mode: str, default: float, where: str) -> float:
+    """`target` of `metric` at `where`: positive, a fraction for the fraction signals, an HPA quantity
+    in hpa mode, and a signal an HPA can read there."""
+    target = _number(raw, "target", default, 0.0, MAX_TARGET, where)
+    if target <= 0:
+        raise SpecError(f"{where}.target must be greater than 0")
+    if SIGNALS[metric].fraction and target > 1:
+        raise SpecError(f"{where}.target {target} is above 1 for {metric} (a fraction 0..1)")
+    if mode == "hpa" and target < MIN_HPA_TARGET:
+        raise SpecError(
+            f"{where}.target {target} is below {MIN_HPA_TARGET}, the smallest target an HPA "
+            "quantity can carry (1m)"
+        )
+    if mode == "hpa" and SIGNALS[metric].hpa_metric is None:
+        raise SpecError(
+            f"{where}: {metric} is computed by the builtin autoscaler only (an HPA cannot count the "
+            "adapters in vllm:lora_requests_info's labels); use mode builtin or another metric"
+        )
+    return target
+
+
+def _parse_signals(raw: Any, primary: str, mode: str) -> tuple[SignalTarget, ...]:
+    where = "spec.autoscaling.signals"
+    if not isinstance(raw, list) or len(raw) > MAX_SIGNALS:
+        raise SpecError(f"{where} must be a list of at most {MAX_SIGNALS} {{metric, target}} objects")
+    seen = {primary}
+    signals = []
+    for index, item in enumerate(raw):
+        at = f"{where}[{index}]"
+        section = _section(item, at, required=True)
+        metric = _choice(section, "metric", METRICS, "", at)
+        if metric in seen:
+            raise SpecError(
+                f"{at}.metric {metric} is already scaled on (spec.autoscaling.metric or an earlier "
+                "signal); give each signal once"
+            )
+        seen.add(metric)
+        target = _signal_target(section, metric, mode, SIGNALS[metric].default_target, at)
+        signals.append(SignalTarget(metric=metric, target=target))
+    return tuple(signals)
+
+
+def _parse_inference_pool(raw: Any) -> InferencePoolSpec | None:
+    if raw is None:
+        return None
+    where = "spec.inferencePool"
+    picker = _section(_section(raw, where).get("endpointPickerRef"), f"{where}.endpointPickerRef", True)
+    at = f"{where}.endpointPickerRef"
+    name = _string(picker, "name", at)
+    if not _SERVICE_NAME.fullmatch(name):
+        raise SpecError(f"{at}.name {name[:100]!r} is not a Service name (a lowercase DNS label)")
+    return InferencePoolSpec(
+        endpoint_picker=name,
+        endpoint_picker_port=_integer(picker, "port", DEFAULT_EPP_PORT, 1, 65535, at),
+        failure_mode=_choice(picker, "failureMode", FAILURE_MODES, "FailClose", at),
     )
 
 

@@ -32,15 +32,21 @@ PATHS = {
     "Pod": "/api/v1/namespaces/{ns}/pods",
     "PodDisruptionBudget": "/apis/policy/v1/namespaces/{ns}/poddisruptionbudgets",
     "HorizontalPodAutoscaler": "/apis/autoscaling/v2/namespaces/{ns}/horizontalpodautoscalers",
+    "InferencePool": "/apis/inference.networking.k8s.io/v1/namespaces/{ns}/inferencepools",
+    "Event": "/api/v1/namespaces/{ns}/events",
     "ClusterKopfPeering": "/apis/kopf.dev/v1/clusterkopfpeerings",  # cluster-scoped: {ns} unused
 }
 
 
 class FakeEngine:
-    """One engine pod's /metrics: the test sets the gauges."""
+    """One engine pod's /metrics: the test sets the gauges, the adapters in flight and, as an engine behind
+    the internal token, the token a scrape must bring (401 without it)."""
 
     def __init__(self) -> None:
         self.waiting = 0.0
+        self.adapters: list[str] = []  # adapters with requests in flight (vllm:lora_requests_info)
+        self.max_lora = 4
+        self.token: str | None = None
         self.port = 0
         self._runner: aiohttp.web.AppRunner | None = None
 
@@ -57,11 +63,15 @@ class FakeEngine:
         if self._runner is not None:
             await self._runner.cleanup()
 
-    async def _metrics(self, _: aiohttp.web.Request) -> aiohttp.web.Response:
+    async def _metrics(self, request: aiohttp.web.Request) -> aiohttp.web.Response:
+        if self.token is not None and request.headers.get("Authorization") != f"Bearer {self.token}":
+            return aiohttp.web.Response(status=401)
         text = (
             "# TYPE loraplex_requests_waiting gauge\n"
             f"loraplex_requests_waiting {self.waiting}\n"
             "loraplex_requests_running 1\nloraplex_pool_utilization 0.5\n"
+            f'vllm:lora_requests_info{{max_lora="{self.max_lora}",running_lora_adapters='
+            f'"{",".join(self.adapters)}",waiting_lora_adapters=""}} 1700000000\n'
         )
         return aiohttp.web.Response(text=text)
 
@@ -97,6 +107,8 @@ class Cluster:
             ("v1/events", "Event", ()),
             ("policy/v1/poddisruptionbudgets", "PodDisruptionBudget", ("status",)),
             ("autoscaling/v2/horizontalpodautoscalers", "HorizontalPodAutoscaler", ("status",)),
+            # The Gateway API Inference Extension's pool, as its v1 CRD declares it.
+            ("inference.networking.k8s.io/v1/inferencepools", "InferencePool", ("status",)),
         ]:
             self.api.declare(key, kind, subresources)
         # kopf waits to discover these two before it watches anything; with scanning off it never lists them
@@ -180,6 +192,15 @@ class Cluster:
     def set_load(self, waiting: float) -> None:
         for engine in self.engines:
             engine.waiting = waiting
+
+    def set_adapters(self, count: int) -> None:
+        """Every engine has `count` adapters with requests in flight."""
+        for engine in self.engines:
+            engine.adapters = [f"id:{i}" for i in range(count)]
+
+    def require_token(self, token: str | None) -> None:
+        for engine in self.engines:
+            engine.token = token
 
     # --- the fake kubelet and deployment controller ------------------------------------------------------
     async def _kubelet_loop(self) -> None:

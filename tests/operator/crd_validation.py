@@ -113,6 +113,13 @@ def schema_errors(body: dict[str, Any]) -> list[str]:
     return [error.message for error in validator.iter_errors(with_defaults(schema, body))]
 
 
+def errors_against(schema: dict[str, Any], body: dict[str, Any]) -> list[str]:
+    """Admission of `body` by any CRD's openAPIV3Schema (defaults, schema, CEL), e.g. a vendored one."""
+    value = with_defaults(schema, body)
+    errors = [error.message for error in jsonschema.Draft4Validator(schema).iter_errors(value)]
+    return errors + [failure.rule.message for failure in _walk(schema, value, "", "")]
+
+
 def admission_errors(body: dict[str, Any]) -> list[str]:
     """What the API server would answer to a create: schema messages, then CEL rule messages."""
     errors = schema_errors(body)

@@ -15,45 +15,50 @@ from loraplex.operator.simulate import default_policy, plot, simulate, synthetic
 from loraplex.operator.spec import parse
 from tests.operator.helpers import body
 
-POLICY = ScalingPolicy(min_replicas=1, max_replicas=10, target=4.0, scale_down_window_s=300.0)
+WAITING = "waiting_requests"
+POLICY = ScalingPolicy(min_replicas=1, max_replicas=10, targets=((WAITING, 4.0),), scale_down_window_s=300.0)
+
+
+def waiting(*values: float) -> dict[str, list[float]]:
+    return {WAITING: list(values)}
 
 
 def test_ratio_to_target() -> None:
-    assert recommend(2, [8.0, 8.0], POLICY) == (4, 8.0, "ScaleUp")
-    assert recommend(4, [1.0] * 4, POLICY) == (1, 1.0, "ScaleDown")
+    assert recommend(2, [8.0, 8.0], 4.0) == (4, 8.0, "ScaleUp")
+    assert recommend(4, [1.0] * 4, 4.0) == (1, 1.0, "ScaleDown")
 
 
 def test_tolerance_holds_within_ten_percent() -> None:
-    assert recommend(3, [4.3, 4.3, 4.3], POLICY)[0] == 3
-    assert recommend(3, [3.7, 3.7, 3.7], POLICY)[0] == 3
-    assert recommend(3, [4.5, 4.5, 4.5], POLICY)[0] == 4
+    assert recommend(3, [4.3, 4.3, 4.3], 4.0)[0] == 3
+    assert recommend(3, [3.7, 3.7, 3.7], 4.0)[0] == 3
+    assert recommend(3, [4.5, 4.5, 4.5], 4.0)[0] == 4
 
 
 def test_no_metrics_holds() -> None:
-    decision = decide(3, [], POLICY, ScalingState(), 0.0)
-    assert (decision.desired, decision.reason) == (3, "NoMetrics")
+    decision = decide(3, {}, POLICY, ScalingState(), 0.0)
+    assert (decision.desired, decision.reason, decision.signal) == (3, "NoMetrics", None)
 
 
 def test_silent_pods_are_counted_conservatively() -> None:
     # Two of four pods still loading: their absence must not read as "idle" (no scale-down)...
-    assert recommend(4, [1.0, 1.0], POLICY)[0] == 4 - 1  # (1+1+4+4)/4/4 = 0.625 -> ceil(2.5) = 3
+    assert recommend(4, [1.0, 1.0], 4.0)[0] == 4 - 1  # (1+1+4+4)/4/4 = 0.625 -> ceil(2.5) = 3
     # ...nor as "overloaded" (scale up from the ready pods' load only, counting the silent ones as 0).
-    assert recommend(4, [8.0, 8.0], POLICY)[0] == 4  # (8+8+0+0)/4/4 = 1.0 -> hold
+    assert recommend(4, [8.0, 8.0], 4.0)[0] == 4  # (8+8+0+0)/4/4 = 1.0 -> hold
 
 
 def test_bounds_clamp() -> None:
-    assert decide(9, [40.0] * 9, POLICY, ScalingState(), 0.0).desired == 10
-    low = decide(1, [0.0], POLICY, ScalingState(), 0.0)
+    assert decide(9, waiting(*[40.0] * 9), POLICY, ScalingState(), 0.0).desired == 10
+    low = decide(1, waiting(0.0), POLICY, ScalingState(), 0.0)
     assert low.desired == 1
 
 
 def test_scale_up_rate_limit() -> None:
-    policy = ScalingPolicy(min_replicas=1, max_replicas=100, target=1.0)
-    first = decide(2, [50.0, 50.0], policy, ScalingState(), 0.0)
+    policy = ScalingPolicy(min_replicas=1, max_replicas=100, targets=((WAITING, 1.0),))
+    first = decide(2, waiting(50.0, 50.0), policy, ScalingState(), 0.0)
     assert (first.desired, first.reason) == (6, "RateLimited")  # max(+100%, +4 pods) from 2
-    second = decide(6, [50.0] * 6, policy, first.state, 5.0)
+    second = decide(6, waiting(*[50.0] * 6), policy, first.state, 5.0)
     assert second.desired == 6  # the 15 s period still counts the first step
-    third = decide(6, [50.0] * 6, policy, second.state, 16.0)
+    third = decide(6, waiting(*[50.0] * 6), policy, second.state, 16.0)
     assert third.desired == 12
 
 
@@ -61,24 +66,26 @@ def test_scale_down_waits_for_the_stabilization_window() -> None:
     state = ScalingState()
     current = 4
     for t in range(0, 300, 15):  # busy: the recommendation stays 4
-        decision = decide(current, [4.0] * current, POLICY, state, float(t))
+        decision = decide(current, waiting(*[4.0] * current), POLICY, state, float(t))
         state, current = decision.state, decision.desired
     assert current == 4
     for t in range(300, 600, 15):  # idle for less than the window: hold
-        decision = decide(current, [0.5] * current, POLICY, state, float(t))
+        decision = decide(current, waiting(*[0.5] * current), POLICY, state, float(t))
         state, current = decision.state, decision.desired
         if t < 585:
             assert current == 4, t
     for t in range(600, 900, 15):
-        decision = decide(current, [0.5] * current, POLICY, state, float(t))
+        decision = decide(current, waiting(*[0.5] * current), POLICY, state, float(t))
         state, current = decision.state, decision.desired
     assert current < 4
 
 
 def test_scale_down_rate_limit() -> None:
     state = ScalingState()
-    policy = ScalingPolicy(min_replicas=1, max_replicas=20, target=4.0, scale_down_window_s=0.0)
-    decision = decide(16, [0.1] * 16, policy, state, 0.0)
+    policy = ScalingPolicy(
+        min_replicas=1, max_replicas=20, targets=((WAITING, 4.0),), scale_down_window_s=0.0
+    )
+    decision = decide(16, waiting(*[0.1] * 16), policy, state, 0.0)
     assert (decision.desired, decision.reason) == (8, "RateLimited")  # at most -50% per minute
 
 
@@ -138,9 +145,15 @@ def test_simulation_has_no_flapping_and_bounded_lag(tmp_path: Path) -> None:
     assert out.read_bytes()[:4] == b"\x89PNG"
 
 
-def test_policy_rejects_bad_bounds() -> None:
+def test_policy_rejects_bad_bounds_and_targets() -> None:
     with pytest.raises(ValueError, match="min_replicas"):
-        ScalingPolicy(min_replicas=3, max_replicas=2, target=1.0)
+        ScalingPolicy(min_replicas=3, max_replicas=2, targets=((WAITING, 1.0),))
+    with pytest.raises(ValueError, match="at least one"):
+        ScalingPolicy(min_replicas=1, max_replicas=2, targets=())
+    with pytest.raises(ValueError, match="one target"):
+        ScalingPolicy(min_replicas=1, max_replicas=2, targets=((WAITING, 1.0), (WAITING, 2.0)))
+    with pytest.raises(ValueError, match="must be positive"):
+        ScalingPolicy(min_replicas=1, max_replicas=2, targets=((WAITING, 0.0),))
 
 
 def test_the_scale_event_says_direction_reason_and_metric() -> None:

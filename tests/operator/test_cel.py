@@ -45,6 +45,29 @@ CEL_CASES: list[tuple[str, Mutation, str]] = [
         "fraction 0..1",
     ),
     ("hpa-target-below-1m", _set("spec.autoscaling", {"mode": "hpa", "target": 0.0001}), "1m is the least"),
+    (
+        "pool-pressure-signal-above-1",
+        _set("spec.autoscaling", {"signals": [{"metric": "pool_pressure", "target": 1.5}]}),
+        "signals target is a fraction 0..1",
+    ),
+    (
+        "hpa-adapter-demand",
+        _set("spec.autoscaling", {"mode": "hpa", "signals": [{"metric": "adapter_demand"}]}),
+        "adapter_demand is computed by the builtin autoscaler only",
+    ),
+    (
+        "hpa-signal-target-below-1m",
+        _set(
+            "spec.autoscaling",
+            {"mode": "hpa", "signals": [{"metric": "running_requests", "target": 0.0001}]},
+        ),
+        "signals target below 0.001",
+    ),
+    (
+        "signal-repeats-metric",
+        _set("spec.autoscaling", {"metric": "running_requests", "signals": [{"metric": "running_requests"}]}),
+        "must not repeat autoscaling.metric",
+    ),
     ("extra-arg-port", _set("spec.engine.extraArgs", ["--port=9000"]), "must not set --model, --port"),
     ("extra-arg-model", _set("spec.engine.extraArgs", ["--model", "/x"]), "must not set --model, --port"),
     (
@@ -224,9 +247,11 @@ def test_the_schema_is_structural_and_its_rules_are_bounded() -> None:
         if "default" in node and schema_errors_at(node, node["default"]):
             problems.append(f"{path}: default {node['default']!r} is invalid")
         for rule in node.get("x-kubernetes-validations") or []:
-            iterates = ".all(" in rule["rule"] or ".exists(" in rule["rule"]
-            if iterates and "maxItems" not in node and "maxProperties" not in node:
-                problems.append(f"{path}: rule {rule['rule']!r} iterates an unbounded collection")
+            # What a rule iterates: the node itself, or `self.<child>.all(...)`, a child of it.
+            for child in re.findall(r"(self(?:\.\w+)?)\.(?:all|exists|exists_one)\(", rule["rule"]):
+                iterated = node if child == "self" else (node.get("properties") or {}).get(child[5:], {})
+                if "maxItems" not in iterated and "maxProperties" not in iterated:
+                    problems.append(f"{path}: rule {rule['rule']!r} iterates an unbounded {child}")
         if node.get("type") == "string" and path.endswith("[]") and "maxLength" not in node:
             problems.append(f"{path}: list of unbounded strings")
     assert problems == []

@@ -6,6 +6,7 @@ import asyncio
 import base64
 import datetime
 import json
+import re
 import threading
 import urllib.request
 import uuid
@@ -27,36 +28,87 @@ from tests.operator.helpers import KUBE_VERSION, ROOT, crd
 
 CHART = ROOT / "charts" / "loraplex"
 VALUE_FILES = {"default": None, "gpu": CHART / "values-gpu.yaml"}
+# The least an install must set: the chart refuses to install without an adapter store (templates/
+# validate.yaml). `render` adds it under values that set no store of their own.
+STORE = {"adapterStore": {"uri": "s3://loraplex-adapters/test"}}
+
+
+def merged(base: dict[str, Any], over: dict[str, Any] | None) -> dict[str, Any]:
+    """`over` on top of `base`, nested mappings merged key by key."""
+    result = dict(base)
+    for key, value in (over or {}).items():
+        if isinstance(value, dict) and isinstance(result.get(key), dict):
+            result[key] = merged(result[key], value)
+        else:
+            result[key] = value
+    return result
+
+
+def manifests(values: dict[str, Any] | None) -> dict[str, str]:
+    """The chart rendered with exactly `values` (no store added)."""
+    return dict(helm.Chart.load(CHART).render(values, name="loraplex", namespace="loraplex", is_install=True))
 
 
 def render(values: dict[str, Any] | None) -> list[dict[str, Any]]:
-    manifests = helm.Chart.load(CHART).render(values, name="loraplex", namespace="loraplex", is_install=True)
-    objects = (yaml.safe_load_all(text) for path, text in manifests.items() if not path.endswith("NOTES.txt"))
+    texts = manifests(merged(STORE, values))
+    objects = (yaml.safe_load_all(text) for path, text in texts.items() if not path.endswith("NOTES.txt"))
     return [doc for docs in objects for doc in docs if doc]
 
 
 def notes(values: dict[str, Any] | None) -> str:
-    manifests = helm.Chart.load(CHART).render(values, name="loraplex", namespace="loraplex", is_install=True)
-    return next(text for path, text in manifests.items() if path.endswith("NOTES.txt"))
+    return next(text for path, text in manifests(merged(STORE, values)).items() if path.endswith("NOTES.txt"))
 
 
-def test_notes_name_the_token_secret_and_warn_without_a_store() -> None:
-    text = notes(None)
+def test_notes_name_the_token_secret_and_the_store() -> None:
+    text = notes({"adapterStore": {"existingSecret": "adapter-store"}})
     assert "internalTokenSecretRef: {name: loraplex-secrets, key: internal-token}" in text
-    assert "adapterStore.uri is empty" in text and "for evaluation" in text
-    quiet = notes(
-        {
-            "adapterStore": {"uri": "s3://b/p"},
-            "postgresql": {"enabled": False},
-            "database": {"url": "postgresql://x"},
-        }
-    )
+    assert "adapterStore: {uri: s3://loraplex-adapters/test, secretRef: {name: adapter-store}}" in text
+    assert "for evaluation" in text  # the in-chart Postgres
+    quiet = notes({"postgresql": {"enabled": False}, "database": {"url": "postgresql://x"}})
     assert "WARNING" not in quiet and "for evaluation" not in quiet
+    spread = notes(
+        {"adapterStore": {"existingSecret": "adapter-store"}, "web": {"discovery": {"namespaces": ["a"]}}}
+    )
+    assert "copy it into every other" in spread
 
 
-def values(name: str) -> dict[str, Any] | None:
+@pytest.mark.parametrize(
+    ("store", "words"),
+    [
+        (None, "adapterStore.uri is empty: uploaded adapters would stay in each control-plane pod's scratch"),
+        ({"uri": ""}, "Set adapterStore.uri to s3://bucket/prefix"),
+        ({"uri": "/var/lib/loraplex/adapters"}, "is a directory inside each control-plane pod"),
+        ({"uri": "file:///srv/adapters", "endpointUrl": "http://minio:9000"}, "engine pods cannot read"),
+        ({"uri": "s3://"}, "is not s3://bucket/prefix"),
+        ({"uri": "s3://Bad_Bucket/x"}, "a lowercase bucket name"),
+    ],
+)
+def test_values_that_cannot_serve_an_adapter_refuse_to_install(
+    store: dict[str, Any] | None, words: str
+) -> None:
+    """The default values (two web replicas, each with its own scratch directory) and every store the
+    engines cannot read fail the render, saying what to set."""
+    values = None if store is None else {"adapterStore": store}
+    with pytest.raises(helm.HelmError, match=re.escape(words)):
+        manifests(values)
+
+
+def test_a_bucket_installs_and_reaches_the_web_pods() -> None:
+    objects = render(
+        {"adapterStore": {"uri": "s3://team-bucket/adapters", "endpointUrl": "http://minio:9000"}}
+    )
+    env = container_env(deployment(objects, "web"))
+    assert env["LORAPLEX_ADAPTER_STORE"]["value"] == "s3://team-bucket/adapters"
+    assert env["LORAPLEX_S3_ENDPOINT_URL"]["value"] == "http://minio:9000"
+    # An operator-only install uploads nothing: it needs no store (each CR names its own).
+    operator_only = manifests({"web": {"enabled": False}})
+    assert not any("loraplex-web" in text for path, text in operator_only.items() if "web-" in path)
+
+
+def values(name: str) -> dict[str, Any]:
+    """A values file as a user would pass it; `default` is the chart's defaults plus the required store."""
     path: Path | None = VALUE_FILES[name]
-    return None if path is None else yaml.safe_load(path.read_text())
+    return STORE if path is None else yaml.safe_load(path.read_text())
 
 
 def test_chart_crds_are_generated_from_crds() -> None:
@@ -350,7 +402,7 @@ def test_an_upgrade_keeps_the_generated_secrets(api_server: str) -> None:
         kubeconfig_content=json.dumps(kubeconfig), storage_driver="memory", namespace="loraplex"
     )
     # No Job controller in the emulator: the migration hook would never complete.
-    chart_values = {"web": {"migration": {"enabled": False}}}
+    chart_values = {**STORE, "web": {"migration": {"enabled": False}}}
     config.install(CHART, "loraplex", chart_values, namespace="loraplex", timeout=60)
     shared, database = (
         live_secret(api_server, "loraplex-secrets"),

@@ -35,10 +35,15 @@ MAY_GO_UNUSED = {
 }
 
 
+# The engines' /metrics is behind the internal token; the operator has it as the chart gives it.
+ENGINE_TOKEN = "engine-internal-token"
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     fake = Cluster(engines=6)
     fake.start()
+    fake.require_token(ENGINE_TOKEN)
     try:
         yield fake
     finally:
@@ -51,6 +56,7 @@ def operator(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iter
     env.setenv("KUBECONFIG", str(cluster.write_kubeconfig(tmp_path_factory.mktemp("kube") / "config")))
     env.setenv("LORAPLEX_OPERATOR_RESYNC_SECONDS", "1")
     env.setenv("LORAPLEX_OPERATOR_AUTOSCALE_SECONDS", "0.5")
+    env.setenv("LORAPLEX_OPERATOR_INTERNAL_TOKEN", ENGINE_TOKEN)
     # The example's Secrets, as the chart's allow-list would name them (the image is the default's).
     env.setenv("LORAPLEX_OPERATOR_ALLOWED_SECRETS", "default/loraplex-secrets,default/loraplex-adapter-store")
     import loraplex.operator.main  # noqa: F401  (registers the handlers in kopf's default registry)
@@ -215,6 +221,42 @@ def test_builtin_autoscaler_follows_engine_metrics(cluster: Cluster, operator: N
         what="the scale-down decision in status",
     )
     assert decision["reason"] == "RateLimited"
+
+
+def test_builtin_autoscaler_scales_on_adapter_demand(cluster: Cluster, operator: None) -> None:
+    """The queue on target, but each pod asked for twice the adapters it has slots for: the adapter_demand
+    signal scales up, and the Event and status say so."""
+
+    def replicas() -> int:
+        return int((cluster.get("Deployment", CHILD) or {}).get("spec", {}).get("replicas") or 0)
+
+    start = replicas()
+    cluster.set_load(4.0)
+    cluster.set_adapters(8)  # max_lora 4
+    cluster.patch(
+        "InferenceDeployment",
+        NAME,
+        {"spec": {"autoscaling": {"signals": [{"metric": "adapter_demand", "target": 1}]}}},
+    )
+    wait_for(lambda: replicas() == 4, timeout=60, what=f"scale up from {start} to max (4) on adapter demand")
+    decision = wait_for(
+        lambda: (
+            cluster.get("InferenceDeployment", NAME)["status"].get("autoscaling", {}).get("metric")
+            == "adapter_demand"
+            and cluster.get("InferenceDeployment", NAME)["status"]["autoscaling"]
+        ),
+        what="the adapter_demand decision in status",
+    )
+    assert decision["target"] == 1 and decision["value"] == 2.0
+    assert decision["unplacedAdapters"] >= 8  # 8 in flight per pod, 4 slots each
+    assert [s["metric"] for s in decision["signals"]] == ["waiting_requests", "adapter_demand"]
+    scaled = [
+        e
+        for e in cluster.list("Event")
+        if e["reason"] == "ScaledUp" and "adapter_demand 2 per ready pod, target 1" in e["message"]
+    ]
+    assert scaled, [e["message"] for e in cluster.list("Event")]
+    cluster.set_adapters(0)
 
 
 def test_delete_garbage_collects_children(cluster: Cluster, operator: None) -> None:

@@ -11,6 +11,8 @@ import pytest
 from loraplex.operator.overlay import PodTemplateOverlay
 from loraplex.operator.spec import (
     INTERNAL_TOKEN_KEY,
+    MAX_SIGNALS,
+    METRICS,
     AutoscalingSpec,
     EngineSpec,
     ModelCacheSpec,
@@ -155,6 +157,42 @@ def test_minimal_body_gets_defaults() -> None:
         ({"autoscaling": {"target": 0}}, "target must be greater than 0"),
         ({"controlPlane": {"url": "http://x"}}, "spec.controlPlane was removed"),
         (
+            {"autoscaling": {"signals": [{"metric": "adapter_demand"}, {"metric": "adapter_demand"}]}},
+            "spec.autoscaling.signals[1].metric adapter_demand is already scaled on",
+        ),
+        (
+            {"autoscaling": {"signals": [{"metric": "waiting_requests", "target": 2}]}},
+            "signals[0].metric waiting_requests is already scaled on",
+        ),
+        (
+            {"autoscaling": {"signals": [{"metric": "queue"}]}},
+            "spec.autoscaling.signals[0].metric is 'queue'",
+        ),
+        ({"autoscaling": {"signals": [{"target": 1}]}}, "spec.autoscaling.signals[0].metric is ''"),
+        ({"autoscaling": {"signals": "adapter_demand"}}, "spec.autoscaling.signals must be a list"),
+        (
+            {"autoscaling": {"signals": [{"metric": "pool_pressure", "target": 2}]}},
+            "signals[0].target 2.0 is above 1 for pool_pressure",
+        ),
+        (
+            {"autoscaling": {"mode": "hpa", "signals": [{"metric": "adapter_demand"}]}},
+            "signals[0]: adapter_demand is computed by the builtin autoscaler only",
+        ),
+        (
+            {"autoscaling": {"mode": "hpa", "metric": "adapter_demand", "target": 1}},
+            "spec.autoscaling: adapter_demand is computed by the builtin autoscaler only",
+        ),
+        ({"inferencePool": {}}, "spec.inferencePool.endpointPickerRef is missing"),
+        ({"inferencePool": {"endpointPickerRef": {"name": "Epp"}}}, "endpointPickerRef.name 'Epp' is not"),
+        (
+            {"inferencePool": {"endpointPickerRef": {"name": "epp", "port": 0}}},
+            "spec.inferencePool.endpointPickerRef.port is 0",
+        ),
+        (
+            {"inferencePool": {"endpointPickerRef": {"name": "epp", "failureMode": "Open"}}},
+            "failureMode is 'Open'; use one of FailClose, FailOpen",
+        ),
+        (
             {"adapterStore": {"uri": "s3://b", "secretRef": {}}},
             "spec.adapterStore.secretRef.name is required",
         ),
@@ -205,3 +243,21 @@ def test_quantization_choices_are_the_engines_in_the_schema_and_the_spec() -> No
     )
     for choice in QUANTIZATIONS:
         assert parse(body(model={"uri": "/m.gguf", "quantization": choice})).spec.model.quantization == choice
+
+
+def test_signals_take_their_default_targets_and_keep_their_order() -> None:
+    scaling = parse(
+        body(
+            autoscaling={
+                "signals": [{"metric": "adapter_demand"}, {"metric": "pool_pressure", "target": 0.8}]
+            }
+        )
+    ).spec.autoscaling
+    assert scaling.targets() == (("waiting_requests", 4.0), ("adapter_demand", 1.0), ("pool_pressure", 0.8))
+    schema = crd_schema()["properties"]["spec"]["properties"]["autoscaling"]["properties"]
+    assert (
+        schema["metric"]["enum"]
+        == list(METRICS)
+        == schema["signals"]["items"]["properties"]["metric"]["enum"]
+    )
+    assert schema["signals"]["maxItems"] == MAX_SIGNALS

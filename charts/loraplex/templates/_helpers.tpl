@@ -139,4 +139,11 @@ seccompProfile:
 - apiGroups: [""]
   resources: [events]
   verbs: [get, create, patch]
+{{- if .Values.inferencePools.enabled }}
+# InferencePools of CRs with spec.inferencePool: read and repaired like the other children, deleted when
+# the spec drops it.
+- apiGroups: [inference.networking.k8s.io]
+  resources: [inferencepools]
+  verbs: [get, create, patch, delete]
+{{- end }}
 {{- end -}}
