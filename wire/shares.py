@@ -28,6 +28,7 @@ import math
 from collections import Counter
 from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from . import QUEUE_FULL, TENANT_SHARE_EXCEEDED
 
@@ -108,7 +109,7 @@ class Holdings:
     counts: Counter[Hashable] = field(default_factory=Counter)
 
     @classmethod
-    def of(cls, *parts: Mapping[Hashable, int]) -> Holdings:
+    def of(cls, *parts: Mapping[Any, int]) -> Holdings:
         """The sum of `parts` (say, what the engine counted plus what is on its way to it)."""
         total: Counter[Hashable] = Counter()
         for part in parts:

@@ -173,10 +173,51 @@ def assert_refused(response: httpx.Response, code: str, words: str) -> None:
     assert response.headers["retry-after"]
 
 
-def engine_request(client: httpx.AsyncClient, tenant: str) -> Awaitable[httpx.Response]:
-    headers = {wire.INTERNAL_TOKEN_HEADER: TOKEN, wire.TENANT_HEADER: tenant}
-    body = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 2}
-    return client.post("/v1/completions", json=body, headers=headers)
+class Traffic:
+    """Completions sent as tasks on one client, all kept: `finish` releases the engine and awaits every
+    one, so however a test ends no request is left behind (and the servers can stop)."""
+
+    def __init__(self, client: httpx.AsyncClient, held: HeldSteps):
+        self.client, self.held = client, held
+        self.tasks: list[asyncio.Task[httpx.Response]] = []
+
+    def send(
+        self, n: int, headers: dict[str, str], body: dict[str, Any]
+    ) -> list[asyncio.Task[httpx.Response]]:
+        sent = [
+            asyncio.ensure_future(self.client.post("/v1/completions", json=body, headers=headers))
+            for _ in range(n)
+        ]
+        self.tasks += sent
+        return sent
+
+    async def finish(self) -> list[int]:
+        """The status of every request sent (a request that failed outright fails here)."""
+        self.held.released.set()
+        answers = await asyncio.gather(*self.tasks, return_exceptions=True)
+        return sorted(a.status_code if isinstance(a, httpx.Response) else -1 for a in answers)
+
+
+def run(url: str, held: HeldSteps, scenario: Callable[[Traffic], Awaitable[None]]) -> list[int]:
+    """`scenario` on a client of `url`; then every request it sent, answered: their statuses, sorted."""
+
+    async def main() -> list[int]:
+        async with httpx.AsyncClient(base_url=url, timeout=DEADLINE_S * 2) as client:
+            traffic = Traffic(client, held)
+            try:
+                await scenario(traffic)
+            finally:
+                statuses = await traffic.finish()
+            return statuses
+
+    return asyncio.run(main())
+
+
+TOKEN_PROMPT = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 2}  # the tiny engine has no tokenizer
+
+
+def tenant(name: str) -> dict[str, str]:
+    return {wire.INTERNAL_TOKEN_HEADER: TOKEN, wire.TENANT_HEADER: name}
 
 
 def test_a_flooding_tenant_is_refused_its_excess_and_the_others_are_admitted() -> None:
@@ -185,32 +226,24 @@ def test_a_flooding_tenant_is_refused_its_excess_and_the_others_are_admitted() -
     old code A's 16 filled the queue and B got `queue_full`)."""
     with held_engine(max_queue=16, queue_tenant_floor=2, queue_reserve_fraction=0.25) as (url, state, held):
 
-        async def scenario() -> list[httpx.Response]:
-            async with httpx.AsyncClient(base_url=url, timeout=DEADLINE_S * 2) as client:
+        async def scenario(traffic: Traffic) -> None:
+            flood = traffic.send(16, tenant("tenant-a"), TOKEN_PROMPT)
+            await settle(flood, state, 0)
+            refused = answered(flood)
+            assert queued(state) == 12 and len(refused) == 4, [r.text for r in refused]
+            for response in refused:
+                assert_refused(response, wire.TENANT_SHARE_EXCEEDED, "this tenant already holds 12")
 
-                def send(tenant: str, n: int) -> list[asyncio.Task[httpx.Response]]:
-                    return [asyncio.ensure_future(engine_request(client, tenant)) for _ in range(n)]
+            others = traffic.send(2, tenant("tenant-b"), TOKEN_PROMPT)
+            others += traffic.send(1, tenant("tenant-c"), TOKEN_PROMPT)
+            await settle(others, state, 12)
+            assert answered(others) == [] and queued(state) == 15, [r.text for r in answered(others)]
+            # B past its floor, with the last places kept for tenants below theirs: refused, naming why.
+            beyond = traffic.send(1, tenant("tenant-b"), TOKEN_PROMPT)
+            await settle(beyond, state, 15)
+            assert_refused(answered(beyond)[0], wire.TENANT_SHARE_EXCEEDED, "kept for tenants below")
 
-                flood = send("tenant-a", 16)
-                await settle(flood, state, 0)
-                refused = answered(flood)
-                assert queued(state) == 12 and len(refused) == 4, [r.text for r in refused]
-                for response in refused:
-                    assert_refused(response, wire.TENANT_SHARE_EXCEEDED, "this tenant already holds 12")
-
-                others = send("tenant-b", 2) + send("tenant-c", 1)
-                await settle(others, state, 12)
-                assert answered(others) == [] and queued(state) == 15, [r.text for r in answered(others)]
-                # B past its floor, with the last places kept for tenants below theirs: refused, naming why.
-                beyond = send("tenant-b", 1)
-                await settle(beyond, state, 15)
-                assert_refused(answered(beyond)[0], wire.TENANT_SHARE_EXCEEDED, "kept for tenants below")
-
-                held.released.set()
-                return list(await asyncio.gather(*flood, *others))
-
-        responses = asyncio.run(scenario())
-    assert sorted(r.status_code for r in responses) == [200] * 15 + [429] * 4
+        assert run(url, held, scenario) == [200] * 15 + [429] * 5
 
 
 def test_without_tenants_the_queue_is_one_tenants_and_the_full_queue_is_still_queue_full() -> None:
@@ -218,18 +251,14 @@ def test_without_tenants_the_queue_is_one_tenants_and_the_full_queue_is_still_qu
     whole queue less the reserve, and a queue of one still answers `queue_full` as before."""
     with held_engine(max_queue=1) as (url, state, held):
 
-        async def scenario() -> list[httpx.Response]:
-            async with httpx.AsyncClient(base_url=url, timeout=DEADLINE_S * 2) as client:
-                body = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 2}
-                headers = {wire.INTERNAL_TOKEN_HEADER: TOKEN}
-                first = asyncio.ensure_future(client.post("/v1/completions", json=body, headers=headers))
-                await settle([first], state, 0)
-                second = await client.post("/v1/completions", json=body, headers=headers)
-                assert_refused(second, wire.QUEUE_FULL, "limit is 1")
-                held.released.set()
-                return [await first]
+        async def scenario(traffic: Traffic) -> None:
+            anonymous = {wire.INTERNAL_TOKEN_HEADER: TOKEN}
+            await settle(traffic.send(1, anonymous, TOKEN_PROMPT), state, 0)
+            second = traffic.send(1, anonymous, TOKEN_PROMPT)
+            await settle(second, state, 1)
+            assert_refused(answered(second)[0], wire.QUEUE_FULL, "limit is 1")
 
-        assert [r.status_code for r in asyncio.run(scenario())] == [200]
+        assert run(url, held, scenario) == [200, 429]
 
 
 # -- the gateway: caps in flight per tenant and key, shares of the upstream connections ------------------
@@ -321,6 +350,9 @@ def platform(
         yield Platform(gateway, state, held, api)
 
 
+TEXT_PROMPT = {"model": MODEL, "prompt": "hello", "max_tokens": 2}
+
+
 def test_a_flood_through_the_gateway_never_refuses_another_tenant_within_its_caps(platform: Platform) -> None:
     """A sends 20 at once on one key: 3 go through (its key's cap), 17 are refused at the gateway naming
     the key's cap; its second key brings it to the tenant's cap of 4. B's 3 (its key's cap) are all
@@ -328,59 +360,43 @@ def test_a_flood_through_the_gateway_never_refuses_another_tenant_within_its_cap
     tenant_a, headers_a1 = platform.api.tenant_with_key("flooder")
     headers_a2 = {"Authorization": f"Bearer {platform.api.key(tenant_a['id'], 'second')}"}
     _, headers_b = platform.api.tenant_with_key("victim")
-    body = {"model": MODEL, "prompt": "hello", "max_tokens": 2}
+    engine = platform.engine
 
-    async def scenario() -> list[httpx.Response]:
-        async with httpx.AsyncClient(base_url=platform.gateway, timeout=DEADLINE_S * 2) as client:
+    async def scenario(traffic: Traffic) -> None:
+        flood = traffic.send(20, headers_a1, TEXT_PROMPT)
+        await settle(flood, engine, 0)
+        assert queued(engine) == 3 and len(answered(flood)) == 17
+        for response in answered(flood):
+            assert_refused(response, wire.TOO_MANY_IN_FLIGHT, "this API key has 3 requests in flight")
 
-            def send(headers: dict[str, str], n: int) -> list[asyncio.Task[httpx.Response]]:
-                return [
-                    asyncio.ensure_future(client.post("/v1/completions", json=body, headers=headers))
-                    for _ in range(n)
-                ]
+        second_key = traffic.send(2, headers_a2, TEXT_PROMPT)
+        await settle(second_key, engine, 3)
+        assert queued(engine) == 4
+        assert_refused(answered(second_key)[0], wire.TOO_MANY_IN_FLIGHT, "its limit is 4")
 
-            flood = send(headers_a1, 20)
-            await settle(flood, platform.engine, 0)
-            assert queued(platform.engine) == 3 and len(answered(flood)) == 17
-            for response in answered(flood):
-                assert_refused(response, wire.TOO_MANY_IN_FLIGHT, "this API key has 3 requests in flight")
+        victim = traffic.send(3, headers_b, TEXT_PROMPT)
+        await settle(victim, engine, 4)
+        assert answered(victim) == [] and queued(engine) == 7, [r.text for r in answered(victim)]
 
-            second_key = send(headers_a2, 2)
-            await settle(second_key, platform.engine, 3)
-            assert queued(platform.engine) == 4
-            assert_refused(answered(second_key)[0], wire.TOO_MANY_IN_FLIGHT, "its limit is 4")
-
-            victim = send(headers_b, 3)
-            await settle(victim, platform.engine, 4)
-            assert answered(victim) == [] and queued(platform.engine) == 7, [r.text for r in answered(victim)]
-
-            platform.held.released.set()
-            return list(await asyncio.gather(*flood, *second_key, *victim))
-
-    responses = asyncio.run(scenario())
-    assert sorted(r.status_code for r in responses) == [200] * 7 + [429] * 18
+    assert run(platform.gateway, platform.held, scenario) == [200] * 7 + [429] * 18
 
 
 def test_an_admin_sets_a_tenants_own_cap(platform: Platform) -> None:
-    tenant, headers = platform.api.tenant_with_key("small")
+    small, headers = platform.api.tenant_with_key("small")
     client = platform.api.client
-    url = f"/admin/v1/tenants/{tenant['id']}/quota"
+    url = f"/admin/v1/tenants/{small['id']}/quota"
     for bad in (-1, "many", 2**31):
         assert client.put(url, json={"max_in_flight": bad}, headers=ADMIN).status_code == 422, bad
     quota = client.put(url, json={"max_in_flight": 1}, headers=ADMIN)
     assert quota.status_code == 200 and quota.json()["max_in_flight"] == 1
-    body = {"model": MODEL, "prompt": "hello", "max_tokens": 2}
 
-    async def scenario() -> list[httpx.Response]:
-        async with httpx.AsyncClient(base_url=platform.gateway, timeout=DEADLINE_S * 2) as http:
-            first = asyncio.ensure_future(http.post("/v1/completions", json=body, headers=headers))
-            await settle([first], platform.engine, 0)
-            second = await http.post("/v1/completions", json=body, headers=headers)
-            assert_refused(second, wire.TOO_MANY_IN_FLIGHT, "its limit is 1 (max_in_flight)")
-            platform.held.released.set()
-            return [await first]
+    async def scenario(traffic: Traffic) -> None:
+        await settle(traffic.send(1, headers, TEXT_PROMPT), platform.engine, 0)
+        second = traffic.send(1, headers, TEXT_PROMPT)
+        await settle(second, platform.engine, 1)
+        assert_refused(answered(second)[0], wire.TOO_MANY_IN_FLIGHT, "its limit is 1 (max_in_flight)")
 
-    assert [r.status_code for r in asyncio.run(scenario())] == [200]
+    assert run(platform.gateway, platform.held, scenario) == [200, 429]
     # The place is given back when the request ends: the next one is admitted.
-    again = httpx.post(f"{platform.gateway}/v1/completions", json=body, headers=headers, timeout=DEADLINE_S)
+    again = httpx.post(f"{platform.gateway}/v1/completions", json=TEXT_PROMPT, headers=headers, timeout=60)
     assert again.status_code == 200, again.text
