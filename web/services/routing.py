@@ -1,39 +1,429 @@
-"""Adapter affinity: rendezvous hashing of an adapter over a deployment's replicas, skipping dead ones.
+"""Where a gateway request goes: adapter placement with replication by demand, then the least-loaded pod.
 
-The same adapter lands on the same replica while it is up (its weights stay resident there); when that
-replica goes, only its adapters move. Health is passive: a replica that refuses a connection is skipped
-for `cooldown_s`, then tried again. A `kubernetes://<namespace>/<name>` endpoint stands for the ready
-pods that discovery currently sees (web/services/discovery.py); plain URLs are used as given.
+Each adapter has a replica set: the first pods of its rendezvous (highest-random-weight) order that have
+room for its weights. It starts with one pod, so the adapter stays resident where it ran last (affinity);
+when every member is saturated and a pod outside the set has room, the set grows by the next such pod in
+that order; when the adapter's demand fits in one pod fewer for `cool_s`, the last member leaves; after
+`idle_s` without a request the adapter gives its place up. A request goes to the least-loaded member.
+Base-model requests go to the least-loaded pod. See docs/placement.md for the signals and their limits.
+
+Bookkeeping only, no I/O and no wall clock of its own: `Placement` and `Router` take the clock, the load
+signal and the pod capacities as inputs, so tests and `bench cluster` drive the same code the gateway runs.
+Health is passive: a pod that refuses a connection rests for `cooldown_s` (still tried, last). A
+`kubernetes://<namespace>/<name>` endpoint stands for the ready pods discovery sees (discovery.py).
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 import random
 import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Protocol
 
 from .discovery import Discovery
 
 # Cooldown entries of replicas that are gone (pods come and go, each with a new IP) are dropped once the
 # table holds this many, so it stays bounded however long the control plane runs.
 MAX_COOLDOWN_ENTRIES = 4096
+# Deployments (pod sets) the router keeps a placement for; the least recently routed is forgotten beyond.
+MAX_PLACEMENTS = 256
 
 
-def rendezvous_order(key: str, endpoints: list[str]) -> list[str]:
-    """Endpoints from most to least preferred for `key` (highest random weight first)."""
+def hrw_weight(key: str, endpoint: str) -> int:
+    digest = hashlib.blake2b(f"{key}\n{endpoint}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big")
 
-    def weight(endpoint: str) -> int:
-        digest = hashlib.blake2b(f"{key}\n{endpoint}".encode(), digest_size=8).digest()
-        return int.from_bytes(digest, "big")
 
-    return sorted(endpoints, key=weight, reverse=True)
+def rendezvous_order(key: str, endpoints: Iterable[str]) -> list[str]:
+    """Endpoints from most to least preferred for `key` (highest random weight first). Removing an
+    endpoint moves only the keys it ranked first; adding one takes about 1/N of the keys."""
+    return sorted(endpoints, key=lambda endpoint: hrw_weight(key, endpoint), reverse=True)
+
+
+# -- load signals ---------------------------------------------------------------------------------------
+
+
+class LoadSignal(Protocol):
+    """Outstanding work, in requests: on a pod, and of one adapter over all pods."""
+
+    def load(self, endpoint: str) -> float: ...
+
+    def demand(self, key: str) -> float: ...
+
+
+@dataclass(eq=False)
+class Work:
+    """One upstream request counted as outstanding until `done()` (idempotent: a stream's close and an
+    error path may both call it)."""
+
+    endpoint: str
+    key: str | None
+    tokens: int
+    _owner: Outstanding | None = field(default=None, repr=False)
+
+    def done(self) -> None:
+        owner, self._owner = self._owner, None
+        if owner is not None:
+            owner._end(self)
+
+
+class Outstanding:
+    """The gateway's own in-flight requests (and their reserved tokens) per pod and per adapter: exact
+    and current for this gateway, blind to what other control-plane replicas sent."""
+
+    def __init__(self) -> None:
+        self.requests: dict[str, int] = {}
+        self.tokens: dict[str, int] = {}
+        self.by_key: dict[str, int] = {}
+
+    def begin(self, endpoint: str, key: str | None, tokens: int = 0) -> Work:
+        self.requests[endpoint] = self.requests.get(endpoint, 0) + 1
+        self.tokens[endpoint] = self.tokens.get(endpoint, 0) + tokens
+        if key is not None:
+            self.by_key[key] = self.by_key.get(key, 0) + 1
+        return Work(endpoint, key, tokens, self)
+
+    def _end(self, work: Work) -> None:
+        _decrement(self.requests, work.endpoint, 1)
+        _decrement(self.tokens, work.endpoint, work.tokens)
+        if work.key is not None:
+            _decrement(self.by_key, work.key, 1)
+
+    def load(self, endpoint: str) -> float:
+        return self.requests.get(endpoint, 0)
+
+    def demand(self, key: str) -> float:
+        return self.by_key.get(key, 0)
+
+
+def _decrement(counts: dict[str, int], name: str, amount: int) -> None:
+    left = counts.get(name, 0) - amount
+    if left > 0:
+        counts[name] = left
+    else:
+        counts.pop(name, None)  # so the tables hold only what is in flight
+
+
+class EngineMetrics:
+    """Engines' own queue as they report it on /metrics (`vllm:num_requests_waiting` + `_running`), fed
+    by whoever scrapes them (`observe`). It counts every gateway's requests, but is as old as the scrape."""
+
+    def __init__(self) -> None:
+        self._load: dict[str, float] = {}
+
+    def observe(self, endpoint: str, waiting: float, running: float) -> None:
+        if not (math.isfinite(waiting) and math.isfinite(running)) or waiting < 0 or running < 0:
+            raise ValueError(f"{endpoint}: waiting and running must be finite and >= 0")
+        self._load[endpoint] = waiting + running
+
+    def observe_text(self, endpoint: str, text: str) -> None:
+        """From a Prometheus text exposition (`name{labels} value [timestamp]`); a missing series is 0."""
+        totals = {"vllm:num_requests_waiting": 0.0, "vllm:num_requests_running": 0.0}
+        for line in text.splitlines():
+            ends = [i for i in (line.find("{"), line.find(" ")) if i >= 0]
+            if line.startswith("#") or not ends:
+                continue
+            name = line[: min(ends)]
+            if name in totals:
+                rest = line[line.rfind("}") + 1 :] if line[min(ends)] == "{" else line[min(ends) :]
+                totals[name] += float(rest.split()[0])
+        self.observe(endpoint, totals["vllm:num_requests_waiting"], totals["vllm:num_requests_running"])
+
+    def forget(self, endpoint: str) -> None:
+        self._load.pop(endpoint, None)
+
+    def load(self, endpoint: str) -> float:
+        return self._load.get(endpoint, 0.0)
+
+    def demand(self, key: str) -> float:
+        return 0.0  # the protocol's per-adapter series name adapters, not how many requests each has
+
+
+@dataclass
+class Combined:
+    """The larger of the gateway's own count (fresh) and the engines' (every gateway's, scraped late)."""
+
+    local: Outstanding
+    scraped: EngineMetrics
+
+    def load(self, endpoint: str) -> float:
+        return max(self.local.load(endpoint), self.scraped.load(endpoint))
+
+    def demand(self, key: str) -> float:
+        return self.local.demand(key)
+
+
+# -- placement ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PlacementPolicy:
+    """When a set grows and shrinks. Load is outstanding requests on a pod."""
+
+    # A pod with this many outstanding requests is saturated: a new one would wait behind a full batch.
+    saturation: float = 48.0
+    # A pod outside the set has room when its load is at most `room` times its least-loaded member's:
+    # relative, so a set still spreads when every pod is busy but some far less than the set.
+    room: float = 0.75
+    # A set grows only for an adapter with at least this share of its members' saturation outstanding:
+    # a quiet adapter on a pod made busy by others waits there (its load would be a cold load elsewhere
+    # for one request); the busy ones spread, and the pod frees up.
+    grow_share: float = 0.25
+    # How long an adapter's demand must fit in one pod fewer before the last member leaves.
+    cool_s: float = 30.0
+    # An adapter with no request for this long gives its place (and its pages) up.
+    idle_s: float = 300.0
+    # Bytes of adapter weights one pod may be assigned: its pool less the KV headroom; 0 is unbounded.
+    pod_adapter_bytes: int = 0
+    # Most pods in one set (0: every pod).
+    max_replicas: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("saturation", "cool_s", "idle_s"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"PlacementPolicy.{name} must be a finite number > 0, not {value!r}")
+        for name in ("room", "grow_share"):
+            value = getattr(self, name)
+            if not (0 < value <= 1):
+                raise ValueError(f"PlacementPolicy.{name} must be in (0, 1], not {value!r}")
+        if self.pod_adapter_bytes < 0 or self.max_replicas < 0:
+            raise ValueError("PlacementPolicy.pod_adapter_bytes and max_replicas must be >= 0")
+
+
+@dataclass(frozen=True)
+class Change:
+    """A replica set changed: `added` pods should load the adapter (prewarm), `removed` may drop it."""
+
+    pool: str
+    key: str
+    members: tuple[str, ...]
+    added: tuple[str, ...]
+    removed: tuple[str, ...]
+    reason: str  # placed, grew, shrank, idle, pods
+
+
+@dataclass
+class _Adapter:
+    size: int
+    order: list[str]  # the HRW order over the current pods
+    members: list[str]
+    last_used: float
+    cool_since: float | None = None
+
+
+class Placement:
+    """Replica sets of one pool of pods (one deployment). Deterministic: two instances given the same
+    calls at the same clock readings hold the same sets."""
+
+    def __init__(
+        self,
+        policy: PlacementPolicy,
+        clock: Callable[[], float] = time.monotonic,
+        capacity: Callable[[str], int] | None = None,
+        pool: str = "",
+    ):
+        self.policy, self.clock, self.pool = policy, clock, pool
+        self._capacity = capacity
+        self.pods: tuple[str, ...] = ()
+        self._adapters: OrderedDict[str, _Adapter] = OrderedDict()  # least recently used first
+        self._used: dict[str, int] = {}
+        self._multi: set[str] = set()  # adapters with more than one member (few: the hot ones)
+        self._listeners: list[Callable[[Change], None]] = []
+        self.overflows = 0  # adapters that found no pod with room (routed by HRW, unassigned)
+
+    # -- what callers read
+    def replicas(self, key: str) -> tuple[str, ...]:
+        """The adapter's replica set, most preferred first (empty when it holds no place)."""
+        adapter = self._adapters.get(key)
+        return tuple(adapter.members) if adapter else ()
+
+    def sets(self) -> dict[str, tuple[str, ...]]:
+        return {key: tuple(a.members) for key, a in self._adapters.items()}
+
+    def hrw_order(self, key: str) -> list[str]:
+        """Every pod of the pool in the adapter's rendezvous order."""
+        adapter = self._adapters.get(key)
+        return list(adapter.order) if adapter else rendezvous_order(key, self.pods)
+
+    def assigned_bytes(self, pod: str) -> int:
+        return self._used.get(pod, 0)
+
+    def capacity(self, pod: str) -> int:
+        """Adapter bytes `pod` may be assigned (0: unbounded)."""
+        return self._capacity(pod) if self._capacity else self.policy.pod_adapter_bytes
+
+    def subscribe(self, listener: Callable[[Change], None]) -> None:
+        self._listeners.append(listener)
+
+    # -- inputs
+    def set_pods(self, pods: Iterable[str]) -> None:
+        """The pool's pods now. When they change every set is placed again, hot adapters first, on the
+        new HRW orders: a pod that left moves only its adapters, one that came takes about 1/N."""
+        current = tuple(sorted(set(pods)))
+        if current == self.pods:
+            return
+        self.pods = current
+        self._used, self._multi = {}, set()
+        before = {key: list(a.members) for key, a in self._adapters.items()}
+        # Canonical order (more replicas first, then key), so the result does not depend on history.
+        for key in sorted(self._adapters, key=lambda k: (-len(self._adapters[k].members), k)):
+            adapter = self._adapters[key]
+            want = max(1, len(adapter.members))
+            adapter.order = rendezvous_order(key, current)
+            adapter.members = []
+            for pod in adapter.order:
+                if len(adapter.members) == want:
+                    break
+                if self._fits(pod, adapter.size):
+                    self._assign(key, adapter, pod)
+        for key, old in before.items():
+            adapter = self._adapters[key]
+            if not adapter.members:  # no pod has room for it any more
+                del self._adapters[key]
+            self._emit(key, old, adapter.members, "pods")
+
+    def place(self, key: str, size: int) -> tuple[str, ...]:
+        """The adapter's set, placing it on the first pod of its HRW order with room when it has none;
+        a request for it now (keeps the place from going idle). Empty when no pod has room."""
+        now = self.clock()
+        adapter = self._adapters.get(key)
+        if adapter is not None:  # touched before the sweep, which must not take it for idle
+            adapter.last_used = now
+            self._adapters.move_to_end(key)
+        self._expire(now)
+        if adapter is not None:
+            return tuple(adapter.members)
+        if size < 0:
+            raise ValueError(f"adapter {key}: size must be >= 0 bytes, not {size}")
+        order = rendezvous_order(key, self.pods)
+        pod = next((p for p in order if self._fits(p, size)), None)
+        if pod is None:
+            self.overflows += 1
+            return ()
+        adapter = _Adapter(size=size, order=order, members=[], last_used=now)
+        self._adapters[key] = adapter
+        self._assign(key, adapter, pod)
+        self._emit(key, [], adapter.members, "placed")
+        return (pod,)
+
+    def grow(self, key: str, has_room: Callable[[str], bool]) -> str | None:
+        """Add the next pod of the adapter's HRW order outside its set that `has_room` (load) and can
+        hold its weights (pages); that pod, or None."""
+        adapter = self._adapters.get(key)
+        limit = self.policy.max_replicas or len(self.pods)
+        if adapter is None or len(adapter.members) >= limit:
+            return None
+        for pod in adapter.order:
+            if pod not in adapter.members and self._fits(pod, adapter.size) and has_room(pod):
+                old = list(adapter.members)
+                self._assign(key, adapter, pod)
+                adapter.cool_since = None
+                self._emit(key, old, adapter.members, "grew")
+                return pod
+        return None
+
+    def observe(self, key: str, demand: float, load: Callable[[str], float]) -> None:
+        """The adapter's outstanding requests now: the last member leaves once the demand has fit in one
+        pod fewer, and those pods have had room, for `cool_s`."""
+        adapter = self._adapters.get(key)
+        if adapter is None or len(adapter.members) < 2:
+            return
+        now = self.clock()
+        policy = self.policy
+        fewer = adapter.members[:-1]
+        cool = demand <= len(fewer) * policy.saturation * policy.room and min(map(load, fewer)) < (
+            policy.room * policy.saturation
+        )
+        if not cool:
+            adapter.cool_since = None
+        elif adapter.cool_since is None:
+            adapter.cool_since = now
+        elif now - adapter.cool_since >= policy.cool_s:
+            self._shrink(key, adapter, len(fewer), "shrank")
+            adapter.cool_since = now  # still cool: the next member may leave after another cool_s
+
+    # -- bookkeeping
+    def _fits(self, pod: str, size: int) -> bool:
+        capacity = self.capacity(pod)
+        return capacity == 0 or self._used.get(pod, 0) + size <= capacity
+
+    def _assign(self, key: str, adapter: _Adapter, pod: str) -> None:
+        adapter.members.append(pod)
+        self._used[pod] = self._used.get(pod, 0) + adapter.size
+        if len(adapter.members) > 1:
+            self._multi.add(key)
+
+    def _shrink(self, key: str, adapter: _Adapter, keep: int, reason: str) -> None:
+        old = list(adapter.members)
+        for pod in adapter.members[keep:]:
+            _decrement(self._used, pod, adapter.size)
+        adapter.members = adapter.members[:keep]
+        adapter.cool_since = None
+        if keep < 2:
+            self._multi.discard(key)
+        self._emit(key, old, adapter.members, reason)
+
+    def _expire(self, now: float) -> None:
+        """Adapters idle past `idle_s` leave (the least recently used are first in line); an adapter with
+        extra members and no request for `cool_s` keeps only its first (no request, no demand)."""
+        while self._adapters:
+            key, adapter = next(iter(self._adapters.items()))
+            if now - adapter.last_used < self.policy.idle_s:
+                break
+            self._shrink(key, adapter, 0, "idle")
+            del self._adapters[key]
+        for key in [k for k in self._multi if now - self._adapters[k].last_used >= self.policy.cool_s]:
+            self._shrink(key, self._adapters[key], 1, "shrank")
+
+    def _emit(self, key: str, old: list[str], new: list[str], reason: str) -> None:
+        if old == new or not self._listeners:
+            return
+        change = Change(
+            pool=self.pool,
+            key=key,
+            members=tuple(new),
+            added=tuple(p for p in new if p not in old),
+            removed=tuple(p for p in old if p not in new),
+            reason=reason,
+        )
+        for listener in self._listeners:
+            listener(change)
+
+
+# -- the router -----------------------------------------------------------------------------------------
 
 
 class Router:
-    def __init__(self, cooldown_s: float, discovery: Discovery | None = None):
+    """The gateway's pick of a pod for each request: `order()` ranks a deployment's pods (try the first;
+    on a refused connection, the next), `begin()` counts the request as outstanding until its `done()`."""
+
+    def __init__(
+        self,
+        cooldown_s: float,
+        discovery: Discovery | None = None,
+        *,
+        policy: PlacementPolicy | None = None,
+        load: LoadSignal | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        rng: random.Random | None = None,
+        capacity: Callable[[str], int] | None = None,
+    ):
         self.cooldown_s = cooldown_s
         self.discovery = discovery
+        self.policy = policy or PlacementPolicy()
+        self.outstanding = Outstanding()
+        self.load: LoadSignal = load or self.outstanding
+        self.clock = clock
+        self._rng = rng or random.Random()
+        self._capacity = capacity
         self._down_until: dict[str, float] = {}
+        self._placements: OrderedDict[tuple[str, ...], Placement] = OrderedDict()
+        self._listeners: list[Callable[[Change], None]] = []
 
     def replicas(self, endpoints: list[str]) -> list[str]:
         """The replica URLs a deployment's endpoints stand for right now."""
@@ -41,19 +431,78 @@ class Router:
             return [e for e in endpoints if not e.startswith("kubernetes://")]
         return self.discovery.expand(endpoints)
 
-    def order(self, key: str | None, endpoints: list[str]) -> list[str]:
-        """Healthy replicas in preference order, then the ones resting (a last resort, not a dead end).
+    def placement(self, endpoints: list[str]) -> Placement:
+        """The placement of the deployment with these endpoints (as stored), its pods brought up to date."""
+        pool = tuple(endpoints)
+        placement = self._placements.get(pool)
+        if placement is None:
+            placement = Placement(self.policy, self.clock, self._capacity, pool=",".join(pool))
+            for listener in self._listeners:
+                placement.subscribe(listener)
+            self._placements[pool] = placement
+            if len(self._placements) > MAX_PLACEMENTS:
+                self._placements.popitem(last=False)
+        self._placements.move_to_end(pool)
+        placement.set_pods(self.replicas(endpoints))
+        return placement
 
-        With no key (the base model alone) any replica will do, so the load is spread at random.
-        """
-        endpoints = self.replicas(endpoints)
-        ranked = rendezvous_order(key, endpoints) if key else random.sample(endpoints, len(endpoints))
-        now = time.monotonic()
-        healthy = [e for e in ranked if self._down_until.get(e, 0.0) <= now]
-        return healthy + [e for e in ranked if e not in healthy]
+    def replica_set(self, key: str, endpoints: list[str]) -> tuple[str, ...]:
+        """The pods that hold (or should hold) the adapter now."""
+        return self.placement(endpoints).replicas(key)
+
+    def subscribe(self, listener: Callable[[Change], None]) -> None:
+        """Call `listener` with every replica-set change, of every deployment (prewarm hooks in here)."""
+        self._listeners.append(listener)
+        for placement in self._placements.values():
+            placement.subscribe(listener)
+
+    def order(self, key: str | None, endpoints: list[str], size: int = 0) -> list[str]:
+        """Pods in the order to try them: the chosen one first, then the rest of the adapter's set by
+        load, then the other healthy pods (by HRW for an adapter), then the resting ones (a last resort,
+        not a dead end). `size` is the adapter's weight bytes, counted against the pods' capacity."""
+        placement = self.placement(endpoints)
+        now = self.clock()
+        healthy = [p for p in placement.pods if self._down_until.get(p, 0.0) <= now]
+        if key is None:
+            ranked = self._by_load(healthy)
+        else:
+            ranked = self._adapter_order(placement, key, size, set(healthy))
+        chosen = set(ranked)
+        resting = [p for p in placement.pods if p not in chosen]
+        return ranked + sorted(resting, key=lambda p: self._down_until.get(p, 0.0))
+
+    def _by_load(self, pods: list[str]) -> list[str]:
+        """Least loaded first; ties in random order, so equal pods share the traffic."""
+        shuffled = self._rng.sample(pods, len(pods))
+        return sorted(shuffled, key=self.load.load)
+
+    def _adapter_order(self, placement: Placement, key: str, size: int, healthy: set[str]) -> list[str]:
+        members = placement.place(key, size)
+        if not members:  # no pod can hold it: today's rendezvous, the engine evicts what it must
+            return [p for p in rendezvous_order(key, placement.pods) if p in healthy]
+        saturation = self.policy.saturation
+        live = [m for m in members if m in healthy]
+        # Ties go to the earlier member (HRW order), so a quiet adapter stays on its first pod.
+        live.sort(key=self.load.load)
+        demand = self.load.demand(key)
+        if (
+            live
+            and self.load.load(live[0]) >= saturation
+            and demand >= len(members) * saturation * self.policy.grow_share
+        ):
+            room = self.policy.room * self.load.load(live[0])
+            grown = placement.grow(key, lambda p: p in healthy and self.load.load(p) <= room)
+            if grown is not None:
+                live.insert(0, grown)
+        placement.observe(key, demand, self.load.load)
+        return live + [p for p in placement.hrw_order(key) if p in healthy and p not in live]
+
+    def begin(self, endpoint: str, key: str | None, tokens: int = 0) -> Work:
+        """Count a request sent to `endpoint` as outstanding until the returned work's `done()`."""
+        return self.outstanding.begin(endpoint, key, tokens)
 
     def mark_down(self, endpoint: str) -> None:
-        now = time.monotonic()
+        now = self.clock()
         if len(self._down_until) >= MAX_COOLDOWN_ENTRIES:
             self._down_until = {e: t for e, t in self._down_until.items() if t > now}
         self._down_until[endpoint] = now + self.cooldown_s
