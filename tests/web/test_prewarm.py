@@ -1,0 +1,111 @@
+"""The gateway's prewarm (web/services/prewarm.py): pods a replica-set change adds are warmed in the
+background and tried after the warm ones, with the pods the adapter moved from as the fallback between."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from loraplex import wire
+from loraplex.web.services.prewarm import Prewarmer
+from loraplex.web.services.routing import Change
+
+KEY = "adapter:" + "a" * 64
+TENANT_A = wire.AdapterRef("11111111-1111-1111-1111-111111111111", "s3://store/a", "a" * 64)
+TENANT_B = wire.AdapterRef("22222222-2222-2222-2222-222222222222", "s3://store/b", "a" * 64)
+
+
+class Engines:
+    """Prewarm calls, each held until the test lets it answer (or fail)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str]] = []
+        self.gate = asyncio.Event()
+        self.fail: set[str] = set()
+
+    async def post(self, pod: str, ref: wire.AdapterRef) -> None:
+        self.calls.append((pod, ref.name))
+        await self.gate.wait()
+        if pod in self.fail:
+            raise ConnectionError(f"{pod} refused")
+
+
+def change(added: tuple[str, ...], removed: tuple[str, ...] = (), reason: str = "grew") -> Change:
+    members = ("p1", *added) if reason == "grew" else added
+    return Change(pool="d", key=KEY, members=members, added=added, removed=removed, reason=reason)
+
+
+def run(test: object) -> None:
+    asyncio.run(test())  # type: ignore[operator]
+
+
+def test_a_grown_member_is_tried_last_until_it_is_warm() -> None:
+    async def test() -> None:
+        engines = Engines()
+        warm = Prewarmer(engines.post)
+        warm.remember(KEY, TENANT_A)
+        warm.remember(KEY, TENANT_B)  # two tenants' adapters with one digest: each registered there
+        warm.on_change(change(("p2",)))
+        await asyncio.sleep(0)
+        assert warm.warming("p2", KEY)
+        assert warm.arrange(KEY, ["p2", "p1"], {"p1", "p2"}) == ["p1", "p2"]
+        engines.gate.set()
+        await warm.settle()
+        assert engines.calls == [("p2", TENANT_B.name), ("p2", TENANT_A.name)]
+        assert not warm.warming("p2", KEY) and warm.warmed == 1
+        assert warm.arrange(KEY, ["p2", "p1"], {"p1", "p2"}) == ["p2", "p1"]  # by load again
+
+    run(test)
+
+
+def test_a_moved_adapter_is_served_where_it_was_until_its_new_pod_is_warm() -> None:
+    async def test() -> None:
+        engines = Engines()
+        warm = Prewarmer(engines.post)
+        warm.remember(KEY, TENANT_A)
+        warm.on_change(change(("p3",), removed=("p1",), reason="pods"))  # p3 joined and ranks first
+        await asyncio.sleep(0)
+        assert warm.arrange(KEY, ["p3"], {"p1", "p3"}) == ["p1", "p3"]
+        assert warm.arrange(KEY, ["p3"], {"p3"}) == ["p3"]  # p1 is gone: nothing better than a cold p3
+        engines.gate.set()
+        await warm.settle()
+        assert warm.arrange(KEY, ["p3"], {"p1", "p3"}) == ["p3"]
+
+    run(test)
+
+
+def test_a_pod_that_cannot_be_warmed_is_served_cold_as_without_prewarm() -> None:
+    async def test() -> None:
+        engines = Engines()
+        engines.fail.add("p2")
+        warm = Prewarmer(engines.post)
+        warm.remember(KEY, TENANT_A)
+        warm.on_change(change(("p2",)))
+        engines.gate.set()
+        await warm.settle()
+        assert (warm.warmed, warm.failed) == (0, 1)
+        assert warm.arrange(KEY, ["p2", "p1"], {"p1", "p2"}) == ["p2", "p1"]
+
+    run(test)
+
+
+@pytest.mark.parametrize("reason", ["placed"])
+def test_nothing_is_warmed_for_a_first_placement_or_an_unknown_adapter(reason: str) -> None:
+    async def test() -> None:
+        engines = Engines()
+        warm = Prewarmer(engines.post)
+        warm.on_change(change(("p2",)))  # never routed here: nothing to register
+        warm.remember(KEY, TENANT_A)
+        warm.on_change(Change("d", KEY, ("p1",), ("p1",), (), reason))  # its request loads it
+        await asyncio.sleep(0)
+        assert engines.calls == [] and not warm.warming("p1", KEY)
+
+    run(test)
+
+
+def test_remembered_adapters_are_bounded() -> None:
+    warm = Prewarmer(Engines().post, max_remembered=3)
+    for i in range(10):
+        warm.remember(f"adapter:{i}", TENANT_A)
+    assert list(warm._refs) == ["adapter:7", "adapter:8", "adapter:9"]
