@@ -11,12 +11,17 @@ declares or contains beyond the limits:
 - a zip's end-of-central-directory record is read first: too many entries or too large a central
   directory is refused before zipfile parses it; declared sizes are checked before anything is
   decompressed, and only stored or deflated entries (bounded decompression) are accepted;
+- an archive may write at most `max_expansion_ratio` times what was read of it (plus a small allowance),
+  per entry and in total, counted while it streams: a zip's declared sizes are held to it before anything
+  is inflated, and a tar.gz (whose sizes say nothing of its compression) is cut off as it inflates, so a
+  bomb under the byte limit writes no more than a small multiple of its own size;
 - every copy counts the bytes it really writes against the budget, and a refused upload leaves nothing.
 """
 
 from __future__ import annotations
 
 import gzip
+import io
 import stat
 import struct
 import tarfile
@@ -49,6 +54,14 @@ class ArchiveLimits:
     max_extension_header_bytes: int = 8 * 1024
     # A zip's central directory: about 100 bytes per entry in real archives.
     max_zip_directory_bytes: int = 64 * 1024
+    # Bytes an archive may write per byte of it read, per entry and in total. Weights compress little
+    # (random mantissas): a trained PEFT adapter deflates about 1.1:1, an untrained one (lora_B all
+    # zeros) 2.3:1 in bfloat16 and 3.4:1 as float32 rounded from bfloat16 (docs/security.md). Deflate
+    # reaches about 1000:1 on zeros.
+    max_expansion_ratio: int = 20
+    # Written beyond the ratio, per entry and in total: a small config deflates further than weights, and
+    # gzip reads up to 128 KiB of input ahead of what it has inflated.
+    expansion_allowance_bytes: int = 1024 * 1024
 
     def tar_overhead(self) -> int:
         """Decompressed tar bytes allowed beyond the files' own: headers, padding, the end blocks."""
@@ -81,6 +94,72 @@ class ByteBudget:
         """Refuse an entry whose declared size alone would not fit, before a byte of it is read."""
         if size > self.limit - self.used:
             raise TooLarge(f"{name}: the upload is larger than the {self.limit}-byte limit")
+
+
+class _Counted:
+    """An archive's upload as its readers see it, counting the bytes they read (re-reads included)."""
+
+    def __init__(self, stream: IO[bytes]):
+        self.stream = stream
+        self.count = 0
+        self.size = stream.seek(0, io.SEEK_END)
+        stream.seek(0)
+
+    def read(self, size: int = -1) -> bytes:
+        data = self.stream.read(size)
+        self.count += len(data)
+        return data
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        return self.stream.seek(offset, whence)
+
+    def tell(self) -> int:
+        return self.stream.tell()
+
+    def seekable(self) -> bool:
+        return True
+
+
+class Expansion:
+    """Holds what an archive writes to `max_expansion_ratio` times what was read of it (plus the
+    allowance): each entry against the archive bytes read since the previous entry ended (its header and
+    its compressed data), the whole against all read so far, never more than the archive itself."""
+
+    def __init__(self, source: _Counted, limits: ArchiveLimits):
+        self.source = source
+        self.ratio = limits.max_expansion_ratio
+        self.allowance = limits.expansion_allowance_bytes
+        self.written = 0
+        self.entry_written = 0
+        self.entry_start = 0  # the source's count where the current entry's bytes began
+
+    def next_entry(self) -> None:
+        """What is read from here on belongs to the next entry."""
+        self.entry_start = self.source.count
+        self.entry_written = 0
+
+    def check_declared(self, size: int, compressed: int, name: str) -> None:
+        """Refuse an entry whose declared sizes already say it expands too much, before it is read."""
+        if size > self.ratio * compressed + self.allowance:
+            raise self._refusal(name)
+
+    def take(self, n: int, name: str) -> None:
+        """Count `n` bytes about to be written for entry `name`; refuse them if they break the ratio."""
+        self.written += n
+        self.entry_written += n
+        read = self.source.count
+        entry_read = read - self.entry_start
+        if (
+            self.entry_written > self.ratio * entry_read + self.allowance
+            or self.written > self.ratio * min(read, self.source.size) + self.allowance
+        ):
+            raise self._refusal(name)
+
+    def _refusal(self, name: str) -> TooLarge:
+        return TooLarge(
+            f"{name}: the archive unpacks to more than {self.ratio} times its size (plus "
+            f"{self.allowance} bytes), which adapters never do; upload the files themselves instead"
+        )
 
 
 def is_archive(filename: str) -> bool:
@@ -185,13 +264,19 @@ def _strip_folder(names: Iterable[str]) -> dict[str, str]:
 # -- copying --------------------------------------------------------------------------------------
 
 
-def _write(path: Path, name: str, stream: IO[bytes], budget: ByteBudget) -> None:
+def _write(
+    path: Path, name: str, stream: IO[bytes], budget: ByteBudget, expansion: Expansion | None = None
+) -> None:
+    """Copy `stream` to `path`, each block counted (against the budget, and the archive's expansion)
+    before it is written."""
     if path.exists():
         raise Invalid(f"{name} appears twice in the upload")
     with path.open("wb") as out:
         # Never ask for more than the budget has left (plus one byte, to notice the excess).
         while block := stream.read(min(COPY_BLOCK, budget.limit - budget.used + 1)):
             budget.take(len(block), name)
+            if expansion is not None:
+                expansion.take(len(block), name)
             out.write(block)
 
 
@@ -274,9 +359,10 @@ class _CappedReader:
 
 def _untar(stream: IO[bytes], target: Path, budget: ByteBudget, limits: ArchiveLimits) -> None:
     magic = stream.read(2)
-    stream.seek(0)
+    counted = _Counted(stream)
+    expansion = Expansion(counted, limits)
     # GzipFile.read(n) decompresses at most n bytes per call, unlike tarfile's own "r|gz" stream.
-    source = gzip.GzipFile(fileobj=stream, mode="rb") if magic == b"\x1f\x8b" else stream
+    source: Any = gzip.GzipFile(fileobj=counted, mode="rb") if magic == b"\x1f\x8b" else counted
     reader = _CappedReader(source, budget.limit + limits.tar_overhead(), budget.limit)
     staged: list[tuple[str, Path]] = []  # names are flattened once every member is known
     try:
@@ -304,7 +390,8 @@ def _untar(stream: IO[bytes], target: Path, budget: ByteBudget, limits: ArchiveL
                 extracted = archive.extractfile(member)
                 assert extracted is not None  # a regular file
                 part = target / f".entry-{index}"  # no accepted name ends this way
-                _write(part, member.name, extracted, budget)
+                _write(part, member.name, extracted, budget, expansion)
+                expansion.next_entry()  # the next header, and what gzip reads ahead, is the next entry's
                 staged.append((member.name, part))
     except _UNREADABLE as exc:
         raise Invalid(f"the archive is not a readable .tar.gz: {exc}") from None
@@ -358,9 +445,11 @@ def _check_zip_entry(info: zipfile.ZipInfo, limits: ArchiveLimits) -> None:
 
 
 def _unzip(stream: IO[bytes], target: Path, budget: ByteBudget, limits: ArchiveLimits) -> None:
+    counted = _Counted(stream)
+    expansion = Expansion(counted, limits)
     try:
         _check_zip_directory(stream, limits)
-        with zipfile.ZipFile(stream) as archive:
+        with zipfile.ZipFile(counted) as archive:
             infos = archive.infolist()
             if len(infos) > limits.max_entries:
                 raise Invalid(
@@ -371,11 +460,16 @@ def _unzip(stream: IO[bytes], target: Path, budget: ByteBudget, limits: ArchiveL
                 _check_zip_entry(info, limits)
                 declared += info.file_size
                 budget.check_declared(declared, info.filename)
+                # Before a byte is inflated: the entry against its compressed size, the whole against
+                # the archive's (a zip that lies is still held to the ratio while it streams).
+                expansion.check_declared(info.file_size, info.compress_size, info.filename)
+                expansion.check_declared(declared, counted.size, info.filename)
             files = [i for i in infos if not i.is_dir()]
             names = _strip_folder(i.filename for i in files)
             for info in files:
                 # zipfile stops at the declared size and checks the CRC, so a lying header fails too.
+                expansion.next_entry()
                 with archive.open(info) as extracted:
-                    _write(target / names[info.filename], names[info.filename], extracted, budget)
+                    _write(target / names[info.filename], names[info.filename], extracted, budget, expansion)
     except _UNREADABLE as exc:
         raise Invalid(f"the archive is not a readable .zip: {exc}") from None
