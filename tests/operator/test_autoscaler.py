@@ -11,7 +11,15 @@ from loraplex.operator.autoscaler import Decision, ScalingPolicy, ScalingState, 
 from loraplex.operator.events import SCALED_DOWN, SCALED_UP
 from loraplex.operator.main import scale_event
 from loraplex.operator.metrics import parse_metric, ready_pod_targets
-from loraplex.operator.simulate import default_policy, plot, simulate, synthetic_trace
+from loraplex.operator.simulate import (
+    SLOTS,
+    adapter_policy,
+    adapter_trace,
+    default_policy,
+    plot,
+    simulate,
+    synthetic_trace,
+)
 from loraplex.operator.spec import parse
 from tests.operator.helpers import body
 
@@ -167,3 +175,22 @@ def test_the_scale_event_says_direction_reason_and_metric() -> None:
     down = Decision(current=3, desired=1, raw=1, value=None, reason="AtMinimum")
     reason, message = scale_event(idep, down)
     assert reason == SCALED_DOWN and "(AtMinimum; pool_utilization no samples, target 0.75)" in message
+
+
+def test_the_adapter_wave_is_seen_only_with_adapter_demand(tmp_path: Path) -> None:
+    """A steady queue while the adapters in use grow eightfold: the queue signal alone keeps 3 pods and
+    leaves most adapters without a slot; with adapter_demand the replicas follow the adapters, nothing
+    stays unplaced for more than the pod start and one period, and they come back down afterwards."""
+    wave = adapter_trace()
+    alone, with_demand = simulate(wave, default_policy()), simulate(wave, adapter_policy())
+    assert max(s.replicas for s in alone) == 3
+    assert max(s.unplaced for s in alone) >= 40
+    assert max(s.replicas for s in with_demand) >= 64 // SLOTS
+    late = 0.0
+    for step in with_demand:
+        late = late + 15 if step.unplaced > SLOTS else 0.0
+        assert late <= 90, f"adapters unplaced for {late}s at {step.t}s"
+    assert with_demand[-1].replicas == 3  # back to what the queue needs
+    out = tmp_path / "autoscaling.png"
+    plot(simulate(synthetic_trace(), default_policy()), str(out), (alone, with_demand))
+    assert out.read_bytes()[:4] == b"\x89PNG"
