@@ -24,7 +24,7 @@ from .services.engine_sync import EngineSync
 from .services.errors import QuotaExceeded, ServiceError
 from .services.in_flight import InFlight
 from .services.multipart import FORM_OVERHEAD_BYTES
-from .services.routing import Router
+from .services.routing import PlacementPolicy, Router
 from .settings import Settings
 
 log = logging.getLogger("loraplex.web")
@@ -83,7 +83,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     discovery = Discovery(settings.kubernetes_discovery, settings.kubernetes_watch_timeout_s)
     app.state.discovery = discovery
     app.state.in_flight = InFlight.of(settings)
-    app.state.router = Router(cooldown_s=settings.endpoint_cooldown_s, discovery=discovery)
+    policy = PlacementPolicy(
+        saturation=settings.placement_saturation,
+        cool_s=settings.placement_cool_s,
+        idle_s=settings.placement_idle_s,
+        pod_adapter_bytes=settings.placement_pod_adapter_bytes,
+    )
+    app.state.router = Router(cooldown_s=settings.endpoint_cooldown_s, discovery=discovery, policy=policy)
 
     app.add_middleware(
         BodySizeLimit,

@@ -35,6 +35,14 @@ class Settings(BaseSettings):
     engine_read_timeout_s: float = Field(default=300.0, gt=0)
     # A replica that refused a connection is skipped for this long before it is tried again.
     endpoint_cooldown_s: float = Field(default=10.0, ge=0)
+    # Placement (services/routing.py, docs/placement.md): a pod with this many of this gateway's requests
+    # outstanding is saturated (an adapter's set then grows); adapter bytes one pod may be assigned (its
+    # pool less KV headroom; 0: unbounded); how long a surplus replica stays once demand has fallen, and
+    # how long an adapter with no request keeps its place.
+    placement_saturation: float = Field(default=48.0, gt=0)
+    placement_pod_adapter_bytes: int = Field(default=0, ge=0)
+    placement_cool_s: float = Field(default=30.0, gt=0)
+    placement_idle_s: float = Field(default=300.0, gt=0)
     # How often every engine replica's adapter registrations are compared with the database, and the
     # adapters deleted meanwhile unregistered (a delete also starts a pass at once): services/engine_sync.py.
     engine_sync_interval_s: float = Field(default=30.0, gt=0, le=3600)
