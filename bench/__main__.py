@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from . import (
+    cluster,
     fairness,
     kernels,
     lora,
@@ -40,6 +41,9 @@ def main() -> int:
         commands.add_parser("lora-tables", help="LoRA tables per adapter set (issue 16)")
     )
     quant.add_arguments(commands.add_parser("quant", help="float32/bf16/int8/int4 vs llama.cpp (issue 19)"))
+    cluster.add_arguments(
+        commands.add_parser("cluster", help="placement and routing policies on simulated pods (issue 26)")
+    )
     args = parser.parse_args()
     return int(args.run(args))
 
