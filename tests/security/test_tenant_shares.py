@@ -35,6 +35,7 @@ from loraplex.engine.request import RequestOutput
 from loraplex.engine.server.app import ServerState
 from loraplex.engine.server.app import create_app as create_engine_app
 from loraplex.engine.server.settings import ServerSettings
+from loraplex.web.db.models import UserRole
 from loraplex.web.services.in_flight import Busy, InFlight
 from loraplex.web.services.keys import Principal
 from loraplex.wire.shares import Holdings, Shares
@@ -47,6 +48,7 @@ from tests.web.conftest import (  # noqa: F401  (fixtures)
     sqlite_template,
     sqlite_url,
 )
+from tests.web.console_client import make_user, post_form, sign_in
 from tests.web.servers import serve
 
 pytestmark = pytest.mark.timeout(120)
@@ -400,3 +402,23 @@ def test_an_admin_sets_a_tenants_own_cap(platform: Platform) -> None:
     # The place is given back when the request ends: the next one is admitted.
     again = httpx.post(f"{platform.gateway}/v1/completions", json=TEXT_PROMPT, headers=headers, timeout=60)
     assert again.status_code == 200, again.text
+
+
+def test_the_consoles_quota_form_keeps_the_cap_it_does_not_show(
+    sqlite_url: str,  # noqa: F811
+    app_factory: Callable[..., FastAPI],  # noqa: F811
+) -> None:
+    """The console's quota form has no max_in_flight field: saving it keeps the admin API's value (a
+    form that reset it would quietly put the tenant back on the default)."""
+    app = app_factory(sqlite_url)
+    make_user(app, "root@platform.test", role=UserRole.ADMIN)
+    with TestClient(app) as admin:
+        made = Api(admin).tenant("capped")
+        url = f"/admin/v1/tenants/{made['id']}"
+        assert admin.put(f"{url}/quota", json={"max_in_flight": 5}, headers=ADMIN).status_code == 200
+        sign_in(admin, "root@platform.test")
+        page = f"/console/admin/tenants/{made['id']}"
+        saved = post_form(admin, page, f"{page}/quota", {"requests_per_minute": "60"})
+        assert "Quota saved." in saved.text
+        quota = admin.get(url, headers=ADMIN).json()["quota"]
+        assert quota["requests_per_minute"] == 60 and quota["max_in_flight"] == 5

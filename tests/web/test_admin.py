@@ -36,6 +36,7 @@ def test_tenant_lifecycle(client: TestClient, api: Api) -> None:
         "max_adapters": None,
         "max_adapter_bytes": None,
         "max_storage_bytes": None,
+        "max_in_flight": None,
     }
     assert client.post("/admin/v1/tenants", json={"name": "acme"}, headers=ADMIN).status_code == 409
     url = f"/admin/v1/tenants/{tenant['id']}"
@@ -49,6 +50,7 @@ def test_tenant_lifecycle(client: TestClient, api: Api) -> None:
         "max_adapters": 3,
         "max_adapter_bytes": 5,
         "max_storage_bytes": 7,
+        "max_in_flight": 9,
     }
     assert client.put(f"{url}/quota", json=quota, headers=ADMIN).json() == quota
     assert client.get(url, headers=ADMIN).json()["quota"] == quota

@@ -239,6 +239,7 @@ def test_admins_create_tenants_users_and_quotas_from_the_console(app: FastAPI) -
             "max_adapters": 3,
             "max_adapter_bytes": None,
             "max_storage_bytes": None,
+            "max_in_flight": None,
         }
 
         short = post_form(

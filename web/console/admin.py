@@ -124,7 +124,11 @@ async def set_quota(tenant_id: uuid.UUID, request: Request, _: Admin) -> Respons
         with db.session() as session:
             if not errors:
                 try:
-                    tenants.set_quota(session, tenant_id, QuotaUpdate(**parsed))
+                    # Limits the form does not show (max_in_flight: the admin API's) are kept as they are.
+                    kept = tenants.quota_of(session, tenant_id).model_dump(
+                        include=set(QuotaUpdate.model_fields)
+                    )
+                    tenants.set_quota(session, tenant_id, QuotaUpdate(**{**kept, **parsed}))
                 except ValidationError as exc:  # name the byte field that was too large
                     field = next((str(e["loc"][0]) for e in exc.errors() if e["loc"]), "max_adapter_bytes")
                     errors[field] = "A value is too large."
