@@ -246,6 +246,9 @@ def test_a_flooding_tenant_is_refused_its_excess_and_the_others_are_admitted() -
             assert_refused(answered(beyond)[0], wire.TENANT_SHARE_EXCEEDED, "kept for tenants below")
 
         assert run(url, held, scenario) == [200] * 15 + [429] * 5
+        scrape = {wire.INTERNAL_TOKEN_HEADER: TOKEN, "Authorization": f"Bearer {TOKEN}"}
+        metrics = httpx.get(f"{url}/metrics", headers=scrape, timeout=DEADLINE_S).text
+        assert 'loraplex_requests_rejected_total{reason="tenant_share"} 5.0' in metrics
 
 
 def test_without_tenants_the_queue_is_one_tenants_and_the_full_queue_is_still_queue_full() -> None:
