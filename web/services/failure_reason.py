@@ -1,10 +1,10 @@
 """What a tenant may read of an engine's reason for failing its adapter at run time.
 
 The engine words its reasons for its operators: they name the adapter by its engine name
-(`wire.adapter_name`, quoted), and a step failure lists the requests it saw (`req-…`, `cmpl-…`). A reason kept on
-an adapter row is shown to every member of its tenant (API, console, the gateway's later refusals), so it
-keeps what says what is wrong with the weights and drops every identifier: an id read there is never
-another request's, another key's or another tenant's.
+(`wire.adapter_name`, quoted), and a step failure lists the requests it saw (`req-…`, `cmpl-…`).
+A reason kept on an adapter row is shown to every member of its tenant (API, console, the gateway's
+later refusals), so it keeps what says what is wrong with the weights and drops every identifier:
+an id read there is never another request's, another key's or another tenant's.
 """
 
 from __future__ import annotations
