@@ -178,13 +178,11 @@ class Ours:
 
 
 def placement_policy(model: sim.PodModel) -> routing.PlacementPolicy:
-    """The router's policy for a pod of `model`: saturated at a quarter of its batch (past that a new
-    request's prefill shares its steps with a growing decode batch), pods bounded by their adapter pool."""
-    return routing.PlacementPolicy(
-        saturation=max(2, model.max_num_seqs // 4),
-        room=0.5,
-        cool_s=30.0,
-        idle_s=120.0,
+    """The gateway's default policy, scaled to a pod of `model`: saturated at three quarters of its batch
+    (48 of 64, LORAPLEX_PLACEMENT_SATURATION's default), each pod bounded by its adapter pool."""
+    return replace(
+        routing.PlacementPolicy(),
+        saturation=max(2, 3 * model.max_num_seqs // 4),
         pod_adapter_bytes=int(model.adapter_pool_bytes),
     )
 
