@@ -24,6 +24,7 @@ from .services.engine_sync import EngineSync
 from .services.errors import QuotaExceeded, ServiceError
 from .services.in_flight import InFlight
 from .services.multipart import FORM_OVERHEAD_BYTES
+from .services.prewarm import Prewarmer
 from .services.routing import PlacementPolicy, Router
 from .settings import Settings
 
@@ -46,6 +47,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         # rest are for engine sync, so a pool full of requests never stalls a sync pass.
         connections = settings.upstream_connections + SYNC_CONNECTIONS
         app.state.http = httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=connections))
+        # A pod that joins an adapter's replica set loads it before it takes the adapter's traffic.
+        prewarmer = Prewarmer.over_http(app.state.http, app.state.engine_token)
+        app.state.prewarmer = prewarmer
+        app.state.router.subscribe(prewarmer.on_change)
+        app.state.router.arrange = prewarmer.arrange
         # Engines forget deleted adapters: a pass every interval and after each delete.
         app.state.engine_sync = EngineSync(
             app.state.http,
@@ -54,6 +60,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             app.state.engine_token,
             settings.engine_sync_interval_s,
             settings.engine_connect_timeout_s,
+            allow_loopback=settings.allow_loopback_endpoints,
         )
         # Objects whose last adapter was deleted while the store was down are deleted now.
         await run_in_threadpool(_sweep, db, app.state.store)
@@ -63,6 +70,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             app.state.engine_sync.start()
             yield
         finally:
+            await prewarmer.close()
             await app.state.engine_sync.stop()
             await run_in_threadpool(discovery.stop)
             await app.state.http.aclose()

@@ -122,7 +122,8 @@ def test_streams_without_buffering_and_records_exact_usage(setup: Setup) -> None
     for stub in setup.engines.values():
         stub.gate.clear()
     with httpx.Client(base_url=setup.url, headers=setup.headers, timeout=10) as client:
-        with client.stream("POST", "/v1/chat/completions", json=chat(stream=True)) as response:
+        body = chat(stream=True, stream_options={"include_usage": True})
+        with client.stream("POST", "/v1/chat/completions", json=body) as response:
             assert response.status_code == 200
             assert response.headers["content-type"].startswith("text/event-stream")
             lines = response.iter_lines()

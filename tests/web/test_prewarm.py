@@ -9,7 +9,7 @@ import pytest
 
 from loraplex import wire
 from loraplex.web.services.prewarm import Prewarmer
-from loraplex.web.services.routing import Change
+from loraplex.web.services.routing import Change, PlacementPolicy, Router
 
 KEY = "adapter:" + "a" * 64
 TENANT_A = wire.AdapterRef("11111111-1111-1111-1111-111111111111", "s3://store/a", "a" * 64)
@@ -109,3 +109,28 @@ def test_remembered_adapters_are_bounded() -> None:
     for i in range(10):
         warm.remember(f"adapter:{i}", TENANT_A)
     assert list(warm._refs) == ["adapter:7", "adapter:8", "adapter:9"]
+
+
+def test_the_router_sends_a_flood_to_a_grown_pod_only_once_it_is_warm() -> None:
+    async def test() -> None:
+        engines = Engines()
+        warm = Prewarmer(engines.post)
+        router = Router(cooldown_s=5, policy=PlacementPolicy(saturation=2), clock=lambda: 0.0)
+        router.subscribe(warm.on_change)
+        router.arrange = warm.arrange
+        pods = ["http://a", "http://b", "http://c"]
+        warm.remember(KEY, TENANT_A)
+        first = router.order(KEY, pods)[0]
+        works = [router.begin(first, KEY) for _ in range(2)]  # its one member is saturated
+        grown_order = router.order(KEY, pods)
+        await asyncio.sleep(0)
+        (grown,) = [p for p in router.replica_set(KEY, pods) if p != first]
+        assert warm.warming(grown, KEY) and engines.calls == [(grown, TENANT_A.name)]
+        assert grown_order[:2] == [first, grown]  # the busy member still first: the new one is cold
+        engines.gate.set()
+        await warm.settle()
+        assert router.order(KEY, pods)[0] == grown  # warm and idle: the least loaded member now
+        for work in works:
+            work.done()
+
+    run(test)

@@ -61,6 +61,8 @@ class PlaygroundChat(BaseModel):
     def openai_body(self, stream: bool) -> dict[str, Any]:
         body = self.model_dump()
         body["stream"] = stream
+        if stream:  # the page shows the reply's token counts from the stream's usage chunk
+            body["stream_options"] = {"include_usage": True}
         return body
 
 

@@ -33,6 +33,7 @@ from . import adapters, gateway, metering, quotas
 from .errors import QuotaExceeded
 from .in_flight import Busy, InFlight
 from .keys import Principal
+from .prewarm import Prewarmer
 from .routing import Router, Work
 
 log = logging.getLogger("loraplex.web.gateway")
@@ -183,6 +184,8 @@ class Gateway:
     clock: Callable[[], float] = time.time
     # This replica's requests in flight (one per app, on its state): caps and connection shares.
     in_flight: InFlight = field(default_factory=InFlight.defaults)
+    # Warms pods that join an adapter's replica set (made in the app's lifespan; None: no prewarm).
+    prewarmer: Prewarmer | None = None
 
     @classmethod
     def of(cls, state: Any) -> Gateway:
@@ -195,6 +198,7 @@ class Gateway:
             default_max_tokens=state.settings.default_max_tokens,
             clock=getattr(state, "clock", time.time),
             in_flight=state.in_flight,
+            prewarmer=getattr(state, "prewarmer", None),
         )
 
     async def complete(self, principal: Principal, body: dict[str, Any], endpoint: str) -> Completion:
@@ -326,7 +330,10 @@ class Gateway:
         outstanding on its replica (the router's load signal) until the returned work is done."""
         last: httpx.HTTPError = httpx.ConnectError("the deployment has no endpoints")
         headers = {**headers, "Content-Type": "application/json"}
-        for replica in self.router.order(target.affinity_key, target.endpoints, target.adapter_bytes):
+        ref, key = target.adapter, target.affinity_key
+        if self.prewarmer is not None and ref is not None and key is not None:
+            self.prewarmer.remember(key, ref)  # what to register on a pod its set grows to
+        for replica in self.router.order(key, target.endpoints, target.adapter_bytes):
             request = self.http.build_request(
                 "POST", f"{replica}/v1/{endpoint}", content=content, headers=headers
             )

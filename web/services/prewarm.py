@@ -113,6 +113,13 @@ class Prewarmer:
         previous = [p for p in self._handing_over.get(key, ()) if p in alive and p not in members]
         return ready + previous + warming
 
+    async def close(self) -> None:
+        """Stop the prewarms in flight (the server is stopping: nobody will route to their pods)."""
+        tasks = list(self._warming.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
     async def settle(self) -> None:
         """Wait for every prewarm in flight (tests; a shutdown)."""
         while self._warming:

@@ -424,6 +424,9 @@ class Router:
         self._down_until: dict[str, float] = {}
         self._placements: OrderedDict[tuple[str, ...], Placement] = OrderedDict()
         self._listeners: list[Callable[[Change], None]] = []
+        # Reorders an adapter's live members (key, members, healthy pods): prewarm (prewarm.py) puts the
+        # members still loading it last, after the pods it moved from. None: by load alone.
+        self.arrange: Callable[[str, list[str], set[str]], list[str]] | None = None
 
     def replicas(self, endpoints: list[str]) -> list[str]:
         """The replica URLs a deployment's endpoints stand for right now."""
@@ -495,6 +498,8 @@ class Router:
             if grown is not None:
                 live.insert(0, grown)
         placement.observe(key, demand, self.load.load)
+        if self.arrange is not None:
+            live = self.arrange(key, live, healthy)
         return live + [p for p in placement.hrw_order(key) if p in healthy and p not in live]
 
     def begin(self, endpoint: str, key: str | None, tokens: int = 0) -> Work:
