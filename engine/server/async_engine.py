@@ -538,14 +538,20 @@ class AsyncEngine:
 
     def _step_failed(self, exc: Exception) -> None:
         """Fail the requests the step was running (or, with none running, those it could not admit)."""
-        log.exception("an engine step failed; failing the requests in it")
+        # The cause goes to the log under a reference, never to the callers: its text may quote a request's
+        # own values or other requests' ids, and the step held requests of several tenants.
+        reference = uuid.uuid4().hex[:12]
+        log.exception("an engine step failed (reference %s); failing the requests in it", reference)
         self.metrics.step_errors.inc()
         self._consecutive_failures += 1
         from loraplex.engine.request import RequestStatus
 
         engine = self.engine
         affected = engine.request_ids(RequestStatus.RUNNING) or engine.request_ids(RequestStatus.WAITING)
-        error = StepFailed(f"the engine failed while running this request: {type(exc).__name__}: {exc}")
+        error = StepFailed(
+            f"the engine failed while running this request (step error {reference}, in the engine's log); "
+            "retry it"
+        )
         deliveries: list[tuple[RequestStream, RequestOutput | BaseException]] = []
         for request_id in affected:
             self.engine.abort(request_id)  # if this raises too, the loop is beyond repair (see _run)
