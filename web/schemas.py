@@ -18,6 +18,7 @@ from pydantic import (
 )
 
 from .services.discovery import is_kubernetes_uri, parse_target
+from .services.endpoint_policy import endpoint_problem
 
 Name = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")]
 # Free text stored or looked up: no control characters (Postgres text cannot hold NUL, logs should not).
@@ -130,6 +131,10 @@ def _endpoint(value: object) -> str:
         ) from None
     if url.query or url.fragment:
         raise ValueError(f"{value[:100]!r}: an endpoint URL has no query or fragment")
+    # Loopback depends on a setting, so the service checks it (deployments.check_endpoints).
+    problem = endpoint_problem(str(url), allow_loopback=True)
+    if problem is not None:
+        raise ValueError(f"{value[:100]!r} {problem}")
     return str(url).rstrip("/")
 
 

@@ -78,6 +78,9 @@ class Settings(BaseSettings):
     client_address_header: str = Field(default="X-Forwarded-For", min_length=1, max_length=64)
     # Secure cookies: None sends them Secure exactly when the request came over https.
     secure_cookies: bool | None = None
+    # Deployment endpoints on loopback (127.0.0.1, localhost) receive the internal token too: only on one
+    # machine, where the engine listens beside the control plane (`loraplex up` sets it). Off on clusters.
+    allow_loopback_endpoints: bool = False
 
     @model_validator(mode="after")
     def _defaults(self) -> Settings:

@@ -190,6 +190,9 @@ def make_settings(url: str, data_dir: Path, **overrides: object) -> Settings:
         "internal_token": "internal-test-token",
         "endpoint_cooldown_s": 30.0,
         "engine_read_timeout_s": 20.0,
+        # The engines of these tests listen on 127.0.0.1, as `loraplex up`'s does (tests/security/
+        # test_deployment_endpoints.py runs with it off).
+        "allow_loopback_endpoints": True,
     }
     values.update(overrides)
     return Settings(**values)  # type: ignore[arg-type]

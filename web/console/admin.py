@@ -305,11 +305,12 @@ async def create_deployment(
         error = f"{where.replace('_', ' ')}: {first['msg']}"
         return await _deployments_page(request, 422, error=error, form=form)
     db = request.app.state.db
+    loopback = request.app.state.settings.allow_loopback_endpoints
 
     def create() -> str | None:
         with db.session() as session:
             try:
-                deployments.create_deployment(session, spec)
+                deployments.create_deployment(session, spec, allow_loopback=loopback)
             except ServiceError as exc:
                 return exc.message
         return None

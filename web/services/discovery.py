@@ -7,6 +7,10 @@ LIST's resourceVersion, continued from the last version seen when the server end
 or a broken stream re-LISTs, after a backoff when it failed. While the API server is unreachable the last
 known pods are kept: the gateway still falls over a refused connection, so stale beats empty.
 
+Only the InferenceDeployment's own pods count: a pod whose owner chain (ReplicaSet, Deployment
+`<name>-engine`, the InferenceDeployment) does not check out is listed as not ready, with the reason
+(pod_owners.py), whatever its labels say.
+
 Static `http://` endpoints (`loraplex up`) pass through unchanged. Nothing runs at import; the app's
 lifespan starts and stops the threads.
 """
@@ -24,6 +28,8 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
+
+from .pod_owners import EngineOwners
 
 if TYPE_CHECKING:
     from kubernetes.client import CoreV1Api
@@ -135,8 +141,11 @@ class PodWatch:
         watch_timeout_s: float,
         backoff_s: tuple[float, float] = (0.5, 30.0),
     ):
+        from kubernetes.client import AppsV1Api
+
         self.api = api
         self.target = target
+        self.owners = EngineOwners(AppsV1Api(api.api_client), target.namespace, target.name)
         self.watch_timeout_s = watch_timeout_s
         self.backoff_min_s, self.backoff_max_s = backoff_s
         self.synced = threading.Event()  # set after the first successful LIST
@@ -207,7 +216,7 @@ class PodWatch:
         body = json.loads(response.data)
         pods = {}
         for item in body.get("items") or []:
-            replica = replica_of(item)
+            replica = self._replica(item)
             pods[replica.pod] = replica
         with self._lock:
             changed = pods != self._pods
@@ -238,6 +247,10 @@ class PodWatch:
                 raise WatchGone() from exc
             raise
         try:
+            # A stop asked while the WATCH was being opened found no response to shut down: it is seen
+            # here (request_stop sets the flag before it looks for the response), not a timeout later.
+            if self._stop.is_set():
+                return version
             for line in _lines(self._response):
                 version = self._apply(json.loads(line)) or version
                 if self._stop.is_set():
@@ -248,6 +261,15 @@ class PodWatch:
                 response.release_conn()
         return version
 
+    def _replica(self, pod: dict[str, Any]) -> PodReplica:
+        replica = replica_of(pod)
+        if not replica.ready:
+            return replica  # nothing to route to yet: the owners are checked once it could be
+        problem = self.owners.problem(pod)
+        if problem is not None:
+            log.warning("%s: pod %s is refused: %s", self.target.uri, replica.pod, problem)
+        return _owned(replica, problem)
+
     def _apply(self, event: dict[str, Any]) -> str | None:
         kind, obj = event.get("type"), event.get("object") or {}
         if kind == "ERROR":
@@ -256,7 +278,7 @@ class PodWatch:
             raise RuntimeError(f"watch error {obj.get('code')}: {obj.get('message')}")
         version = (obj.get("metadata") or {}).get("resourceVersion")
         if kind in ("ADDED", "MODIFIED", "DELETED"):
-            replica = replica_of(obj)
+            replica = replica_of(obj) if kind == "DELETED" else self._replica(obj)
             with self._lock:
                 before = self._pods.get(replica.pod)
                 if kind == "DELETED":
@@ -266,6 +288,13 @@ class PodWatch:
             if before is None or kind == "DELETED" or before.ready != replica.ready:
                 log.info("%s: pod %s %s (%s)", self.target.uri, replica.pod, kind.lower(), replica.detail)
         return str(version) if version else None
+
+
+def _owned(replica: PodReplica, problem: str | None) -> PodReplica:
+    """`replica`, unless its owners do not check out: then never ready, and the admin reads why."""
+    if problem is None:
+        return replica
+    return PodReplica(replica.pod, replica.endpoint, False, f"not this InferenceDeployment's pod: {problem}")
 
 
 def _lines(response: Any) -> Iterator[bytes]:

@@ -36,6 +36,8 @@ from loraplex import wire
 from ..db.models import Adapter, AdapterStatus, Deployment
 from ..db.session import Database
 from . import adapters
+from .discovery import is_kubernetes_uri
+from .endpoint_policy import endpoint_problem
 from .routing import Router
 
 log = logging.getLogger("loraplex.web.engine_sync")
@@ -58,16 +60,27 @@ class SyncReport:
     pending: dict[str, list[str]] = field(default_factory=dict)  # names left for the next pass
 
 
-def all_replicas(session: Session, router: Router) -> list[str]:
+def all_replicas(session: Session, router: Router, allow_loopback: bool = False) -> list[str]:
     """Every engine replica of every deployment, as routing sees them now (discovered pods included): an
-    adapter may have been routed to any replica of its deployment, and its deployment may have changed."""
+    adapter may have been routed to any replica of its deployment, and its deployment may have changed.
+    A static endpoint the token must not go to (a row written before endpoint_policy) is left out."""
     endpoints = [list(e) for e in session.scalars(select(Deployment.endpoints))]
     session.rollback()
     seen: dict[str, None] = {}
     for deployment_endpoints in endpoints:
-        for replica in router.replicas(deployment_endpoints):
+        permitted = [e for e in deployment_endpoints if _may_have_the_token(e, allow_loopback)]
+        for replica in router.replicas(permitted):
             seen.setdefault(replica.rstrip("/"), None)
     return list(seen)
+
+
+def _may_have_the_token(endpoint: str, allow_loopback: bool) -> bool:
+    if is_kubernetes_uri(endpoint):
+        return True  # its pods: discovery accepts only the InferenceDeployment's own
+    problem = endpoint_problem(endpoint, allow_loopback)
+    if problem is not None:
+        log.warning("engine sync skips deployment endpoint %s: it %s", endpoint[:100], problem)
+    return problem is None
 
 
 def stale_names(session: Session, names: Iterable[str]) -> list[str]:
@@ -158,17 +171,22 @@ def _stale_names(db: Database, names: list[str]) -> list[str]:
         return stale_names(session, names)
 
 
-def _replicas(db: Database, router: Router) -> list[str]:
+def _replicas(db: Database, router: Router, allow_loopback: bool) -> list[str]:
     with db.session() as session:
-        return all_replicas(session, router)
+        return all_replicas(session, router, allow_loopback)
 
 
 async def sync_once(
-    http: httpx.AsyncClient, db: Database, router: Router, token: str, timeout: float
+    http: httpx.AsyncClient,
+    db: Database,
+    router: Router,
+    token: str,
+    timeout: float,
+    allow_loopback: bool = False,
 ) -> SyncReport:
     """One pass over every replica: what each holds that the database no longer has ready, unregistered."""
     report = SyncReport()
-    replicas = await run_in_threadpool(_replicas, db, router)
+    replicas = await run_in_threadpool(_replicas, db, router, allow_loopback)
     limit = asyncio.Semaphore(PARALLEL_REPLICAS)
 
     async def one(replica: str) -> None:
@@ -199,9 +217,11 @@ class EngineSync:
         token: str,
         interval_s: float,
         timeout_s: float,
+        allow_loopback: bool = False,
     ):
         self.http, self.db, self.router, self.token = http, db, router, token
         self.interval_s, self.timeout_s = interval_s, timeout_s
+        self.allow_loopback = allow_loopback  # settings.allow_loopback_endpoints
         self.passes = 0  # completed passes (tests wait on it)
         self.last: SyncReport | None = None
         self._wake = asyncio.Event()
@@ -245,7 +265,9 @@ class EngineSync:
             failed = await run_in_threadpool(_fail_interrupted, self.db)
             if failed:
                 log.warning("failed %d upload(s) interrupted before they were validated", failed)
-            report = await sync_once(self.http, self.db, self.router, self.token, self.timeout_s)
+            report = await sync_once(
+                self.http, self.db, self.router, self.token, self.timeout_s, self.allow_loopback
+            )
             self.last = report
             self.passes += 1
             return report
