@@ -87,6 +87,8 @@ def run(args: argparse.Namespace) -> int:
         overrides["data_dir"] = args.data_dir.expanduser().resolve()
     if args.database_url:
         overrides["database_url"] = args.database_url
+    # The engine listens on loopback beside the control plane: its endpoint is 127.0.0.1.
+    overrides["allow_loopback_endpoints"] = True
     settings = Settings(**overrides)  # type: ignore[arg-type]
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     if settings.admin_token is None:  # one machine, one operator: the admin API on a kept token

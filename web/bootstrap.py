@@ -79,7 +79,8 @@ def _ensure_deployment(session: Session, base_model: str, engine_url: str) -> No
         spec = DeploymentCreate.model_validate(
             {"name": DEPLOYMENT, "base_model": base_model, "endpoints": [engine_url]}
         )
-        deployments.create_deployment(session, spec)
+        # `loraplex up` only: its engine listens on loopback beside the control plane.
+        deployments.create_deployment(session, spec, allow_loopback=True)
     elif existing.endpoints != [engine_url]:  # the engine listens on a new port each start
         existing.endpoints = [engine_url]
         session.commit()

@@ -1,10 +1,13 @@
 """The controller-manager's part that the chart and the operator rely on, as one polling loop.
 
-- Deployment -> Pods: `spec.replicas` pods named `<deployment>-<template hash>-<suffix>` with the template's
-  labels plus `pod-template-hash`, owned by the Deployment (there is no ReplicaSet in between: nothing of
-  ours reads ReplicaSets). A deleted or failed pod is replaced; scaling down removes not-ready pods first;
-  a changed template rolls out one surge pod at a time, old pods going once the new ones are ready.
-  The status (replicas, updated/ready/availableReplicas, observedGeneration) is written back.
+- Deployment -> ReplicaSet -> Pods: a ReplicaSet `<deployment>-<template hash>` per pod template, owned by
+  the Deployment, and `spec.replicas` pods named `<deployment>-<template hash>-<suffix>` with the template's
+  labels plus `pod-template-hash`, owned by that ReplicaSet: the owner chain a real cluster has, which the
+  control plane's discovery checks (web/services/pod_owners.py). The ReplicaSet controller's part is done
+  here too: a deleted or failed pod is replaced; scaling down removes not-ready pods first; a changed
+  template rolls out one surge pod at a time, old pods going once the new ones are ready. Old ReplicaSets
+  stay, as a Deployment keeps them for rollbacks. The status (replicas, updated/ready/availableReplicas,
+  observedGeneration) is written back.
 - Job -> Pod: one pod at a time, retried up to `backoffLimit`; status `succeeded`/`failed` and a
   Complete/Failed condition.
 - Service -> endpoints: a virtual IP per ClusterIP Service (written to `spec.clusterIP`), its DNS names in
@@ -67,22 +70,37 @@ class Controllers:
 
     def step(self) -> None:
         pods = self.client.list("Pod")
+        replica_sets = self.client.list("ReplicaSet")
         for deployment in self.client.list("Deployment"):
             with contextlib.suppress(ApiError):  # a conflicting write: the next step catches up
-                self.reconcile_deployment(deployment, pods)
+                self.reconcile_deployment(deployment, pods, replica_sets)
         for job in self.client.list("Job"):
             with contextlib.suppress(ApiError):
                 self.reconcile_job(job, pods)
         self.reconcile_services(self.client.list("Service"), pods)
 
     # --- Deployments ----------------------------------------------------------------------------------
-    def reconcile_deployment(self, deployment: dict[str, Any], all_pods: list[dict[str, Any]]) -> None:
+    def reconcile_deployment(
+        self,
+        deployment: dict[str, Any],
+        all_pods: list[dict[str, Any]],
+        all_replica_sets: list[dict[str, Any]],
+    ) -> None:
         meta, spec = deployment["metadata"], deployment["spec"]
         namespace = meta.get("namespace", "default")
         template = spec["template"]
         current_hash = template_hash(template)
         replicas = int(spec.get("replicas", 1))
-        pods = [p for p in all_pods if owned_by(p, deployment) and not p["metadata"].get("deletionTimestamp")]
+        replica_sets = [r for r in all_replica_sets if owned_by(r, deployment)]
+        current = next((r for r in replica_sets if r["metadata"]["name"].endswith(f"-{current_hash}")), None)
+        if current is None:
+            current = self.client.create(self._replica_set(deployment, current_hash), namespace)
+            replica_sets.append(current)
+        pods = [
+            p
+            for p in all_pods
+            if any(owned_by(p, r) for r in replica_sets) and not p["metadata"].get("deletionTimestamp")
+        ]
         for pod in pods:
             if (pod.get("status") or {}).get("phase") in ("Failed", "Succeeded"):
                 self.client.delete("Pod", pod["metadata"]["name"], namespace)
@@ -93,7 +111,7 @@ class Controllers:
         if len(new) < replicas and (not old or len(new) == len(new_ready)):
             # Surge one at a time while old pods still serve; all at once on a fresh Deployment.
             for _ in range(replicas - len(new) if not old else 1):
-                self.client.create(self._pod(deployment, current_hash), namespace)
+                self.client.create(self._pod(deployment, current_hash, owner=current), namespace)
         elif len(new) > replicas:
             # Not-ready pods go first, then the newest (what the ReplicaSet controller prefers too).
             order = sorted(new, key=lambda p: (is_ready(p), p["metadata"].get("creationTimestamp", "")))
@@ -115,15 +133,41 @@ class Controllers:
             status["conditions"] = [{"type": "Available", "status": available}]
             self.client.patch("Deployment", meta["name"], {"status": status}, namespace, sub="status")
 
+    @staticmethod
+    def _replica_set(deployment: dict[str, Any], template_id: str) -> dict[str, Any]:
+        template = deployment["spec"]["template"]
+        labels = {**(template.get("metadata") or {}).get("labels", {}), "pod-template-hash": template_id}
+        return {
+            "apiVersion": "apps/v1",
+            "kind": "ReplicaSet",
+            "metadata": {
+                "name": f"{deployment['metadata']['name']}-{template_id}",
+                "labels": labels,
+                "ownerReferences": [owner_reference(deployment)],
+            },
+            "spec": {
+                "replicas": int(deployment["spec"].get("replicas", 1)),
+                "selector": {"matchLabels": labels},
+                "template": {**template, "metadata": {**(template.get("metadata") or {}), "labels": labels}},
+            },
+        }
+
     def _pod(
-        self, owner: dict[str, Any], template_id: str, extra_labels: dict[str, str] | None = None
+        self,
+        source: dict[str, Any],
+        template_id: str,
+        extra_labels: dict[str, str] | None = None,
+        owner: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
-        template = owner["spec"]["template"]
+        """A pod of `source`'s template (a Deployment's or a Job's), owned by `owner` (default: `source`)."""
+        template = source["spec"]["template"]
         labels = {**(template.get("metadata") or {}).get("labels", {}), **(extra_labels or {})}
         if template_id:
             labels["pod-template-hash"] = template_id
         prefix = (
-            f"{owner['metadata']['name']}-{template_id}-" if template_id else f"{owner['metadata']['name']}-"
+            f"{source['metadata']['name']}-{template_id}-"
+            if template_id
+            else f"{source['metadata']['name']}-"
         )
         return {
             "apiVersion": "v1",
@@ -132,7 +176,7 @@ class Controllers:
                 "name": prefix + secrets.token_hex(3)[:5],
                 "labels": labels,
                 "annotations": dict((template.get("metadata") or {}).get("annotations") or {}),
-                "ownerReferences": [owner_reference(owner)],
+                "ownerReferences": [owner_reference(owner or source)],
             },
             "spec": template["spec"],
         }

@@ -39,6 +39,7 @@ KINDS: dict[str, Kind] = {
     "ServiceAccount": Kind("v1", "serviceaccounts"),
     "Event": Kind("v1", "events"),
     "Deployment": Kind("apps/v1", "deployments", subresources=("status", "scale")),
+    "ReplicaSet": Kind("apps/v1", "replicasets", subresources=("status", "scale")),
     "StatefulSet": Kind("apps/v1", "statefulsets", subresources=("status", "scale")),
     "Job": Kind("batch/v1", "jobs", subresources=("status",)),
     "ClusterRole": Kind("rbac.authorization.k8s.io/v1", "clusterroles", namespaced=False),

@@ -151,32 +151,41 @@ def test_no_rule_touches_secrets_or_uses_wildcards_and_cluster_rules_write_no_wo
     assert not grants(cluster, ("kopf.dev", "clusterkopfpeerings", "patch"), name="someone-elses")
 
 
-def test_the_web_service_account_only_lists_and_watches_pods_where_it_discovers() -> None:
+WEB_DISCOVERY_RULES = [
+    {"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]},
+    {"apiGroups": ["apps"], "resources": ["replicasets", "deployments"], "verbs": ["get"]},
+]
+
+
+def test_the_web_service_account_only_reads_engine_pods_and_their_owners_where_it_discovers() -> None:
     objects = render({"web": {"discovery": {"namespaces": ["team-a", "team-b"]}}})
     roles = [o for o in objects if o["kind"] == "Role" and o["metadata"]["name"] == "loraplex-web-discovery"]
     assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
     for role in roles:
-        assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]}]
+        assert role["rules"] == WEB_DISCOVERY_RULES
     assert not [o for o in objects if o["kind"] == "ClusterRoleBinding" and "web" in o["metadata"]["name"]]
 
 
-def test_the_web_discovery_calls_are_exactly_list_and_watch_of_pods() -> None:
-    """The web role above matches what web/services/discovery.py calls: list_namespaced_pod, plain and with
-    watch=True; nothing else of the Kubernetes API."""
+def test_the_web_discovery_calls_are_exactly_what_its_role_grants() -> None:
+    """The web role above matches what web/services/discovery.py and pod_owners.py use of the API clients
+    (`self.api`, `self.apps`): list_namespaced_pod, plain and with watch=True, and a get of a ReplicaSet
+    and of a Deployment; nothing else of the Kubernetes API."""
     import ast
 
     from tests.operator.helpers import ROOT
 
-    tree = ast.parse((ROOT / "web" / "services" / "discovery.py").read_text())
-    api_calls = {
-        node.func.attr
-        for node in ast.walk(tree)
-        if isinstance(node, ast.Call)
-        and isinstance(node.func, ast.Attribute)
-        and isinstance(node.func.value, ast.Attribute)
-        and node.func.value.attr == "api"
-    }
-    assert api_calls == {"list_namespaced_pod"}
+    api_calls = set()
+    for module in ("discovery.py", "pod_owners.py"):
+        tree = ast.parse((ROOT / "web" / "services" / module).read_text())
+        api_calls |= {
+            node.attr
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Attribute)
+            and node.value.attr in ("api", "apps")
+            and node.attr != "api_client"
+        }
+    assert api_calls == {"list_namespaced_pod", "read_namespaced_replica_set", "read_namespaced_deployment"}
 
 
 def test_policy_values_reach_the_operator_with_the_charts_own_secrets_allowed() -> None:

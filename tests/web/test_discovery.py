@@ -90,6 +90,12 @@ class ApiServer:
     async def _start(self) -> None:
         self.api = FlakyApiServer()
         self.api.declare("v1/pods", "Pod", ())
+        # The owner chain discovery checks (web/services/pod_owners.py), as the operator and the
+        # Deployment and ReplicaSet controllers make it.
+        self.api.declare("apps/v1/replicasets", "ReplicaSet", ())
+        self.api.declare("apps/v1/deployments", "Deployment", ())
+        self.api.declare("loraplex.dev/v1alpha1/inferencedeployments", "InferenceDeployment", ())
+        self._replica_sets: dict[str, dict[str, Any]] = {}
         await self.api.__aenter__()
         self.server = kmock.Server(self.api)
         await self.server.__aenter__()
@@ -122,6 +128,33 @@ class ApiServer:
             assert resp.status < 300, f"{method} {path}: {resp.status} {payload}"
             return payload
 
+    def create(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        return dict(self.run(self._request("POST", path, body)))
+
+    def replica_set(self, instance: str = "smol") -> dict[str, Any]:
+        """The ReplicaSet of InferenceDeployment `instance`'s Deployment, made with its owners on first use:
+        the chain a real cluster has above every engine pod."""
+        if instance not in self._replica_sets:
+            idep = self.create(
+                f"/apis/loraplex.dev/v1alpha1/namespaces/{NS}/inferencedeployments",
+                {"apiVersion": "loraplex.dev/v1alpha1", "kind": "InferenceDeployment",
+                 "metadata": {"name": instance}, "spec": {}},
+            )  # fmt: skip
+            deployment = self.create(
+                f"/apis/apps/v1/namespaces/{NS}/deployments",
+                {"apiVersion": "apps/v1", "kind": "Deployment",
+                 "metadata": {"name": f"{instance}-engine", "ownerReferences": [owner_reference(idep)]},
+                 "spec": {}},
+            )  # fmt: skip
+            self._replica_sets[instance] = self.create(
+                f"/apis/apps/v1/namespaces/{NS}/replicasets",
+                {"apiVersion": "apps/v1", "kind": "ReplicaSet",
+                 "metadata": {"name": f"{instance}-engine-5d8f",
+                              "ownerReferences": [owner_reference(deployment)]},
+                 "spec": {}},
+            )  # fmt: skip
+        return self._replica_sets[instance]
+
     def pod(
         self,
         name: str,
@@ -129,8 +162,13 @@ class ApiServer:
         ready: bool,
         labels: dict[str, str] = LABELS,
         port: int | None = None,
+        owned: bool = True,
         **meta: Any,
     ) -> None:
+        """An engine pod; `owned` (the default) gives it the ReplicaSet of its instance as a real one has."""
+        if owned and "ownerReferences" not in meta:
+            instance = labels["app.kubernetes.io/instance"]
+            meta["ownerReferences"] = [owner_reference(self.replica_set(instance))]
         status: dict[str, Any] = {"conditions": [{"type": "Ready", "status": str(ready)}]}
         if ip:
             status["podIP"] = ip
@@ -189,6 +227,12 @@ def discovery(apiserver: ApiServer) -> Iterator[Discovery]:
         yield found
     finally:
         found.stop()
+
+
+def owner_reference(owner: dict[str, Any]) -> dict[str, Any]:
+    meta = owner["metadata"]
+    return {"apiVersion": owner["apiVersion"], "kind": owner["kind"], "name": meta["name"],
+            "uid": meta["uid"], "controller": True, "blockOwnerDeletion": True}  # fmt: skip
 
 
 def ready_set(router: Router) -> Callable[[], set[str]]:

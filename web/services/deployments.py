@@ -15,6 +15,7 @@ from ..db.session import Database
 from ..schemas import BaseShapeIn, DeploymentCreate, DeploymentPublic, DeploymentUpdate, ReplicaPublic
 from ..shapes import KNOWN_SHAPES, known_shape
 from .discovery import Discovery, is_kubernetes_uri
+from .endpoint_policy import endpoint_problem
 from .errors import Conflict, Invalid, NotFound
 
 log = logging.getLogger("loraplex.web.deployments")
@@ -84,7 +85,17 @@ def all_endpoints(db: Database) -> list[str]:
         return []
 
 
-def create_deployment(session: Session, spec: DeploymentCreate) -> DeploymentPublic:
+def check_endpoints(endpoints: list[str], allow_loopback: bool) -> None:
+    """Invalid naming the first endpoint the internal token must not go to (schemas.py has refused the
+    rest of endpoint_policy already; loopback depends on the setting, known here)."""
+    for endpoint in endpoints:
+        problem = None if is_kubernetes_uri(endpoint) else endpoint_problem(endpoint, allow_loopback)
+        if problem is not None:
+            raise Invalid(f"endpoint {endpoint[:100]!r} {problem}")
+
+
+def create_deployment(session: Session, spec: DeploymentCreate, *, allow_loopback: bool) -> DeploymentPublic:
+    check_endpoints(spec.endpoints, allow_loopback)
     if spec.shape is not None:
         shape = BaseShape(**spec.shape.model_dump())
     else:
@@ -110,7 +121,10 @@ def create_deployment(session: Session, spec: DeploymentCreate) -> DeploymentPub
     return to_public(deployment)
 
 
-def update_deployment(session: Session, name: str, spec: DeploymentUpdate) -> DeploymentPublic:
+def update_deployment(
+    session: Session, name: str, spec: DeploymentUpdate, *, allow_loopback: bool
+) -> DeploymentPublic:
+    check_endpoints(spec.endpoints, allow_loopback)
     deployment = by_name(session, name)
     deployment.endpoints = list(dict.fromkeys(spec.endpoints))
     session.commit()

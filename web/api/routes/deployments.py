@@ -18,7 +18,8 @@ DeploymentName = Annotated[str, Path(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127
 def create_deployment(
     body: DeploymentCreate, request: Request, session: SessionDep, _: AdminDep
 ) -> DeploymentPublic:
-    made = deployments.create_deployment(session, body)
+    loopback = request.app.state.settings.allow_loopback_endpoints
+    made = deployments.create_deployment(session, body, allow_loopback=loopback)
     return deployments.with_replicas(made, request.app.state.discovery)
 
 
@@ -38,5 +39,6 @@ def get_deployment(
 def update_deployment(
     name: DeploymentName, body: DeploymentUpdate, request: Request, session: SessionDep, _: AdminDep
 ) -> DeploymentPublic:
-    updated = deployments.update_deployment(session, name, body)
+    loopback = request.app.state.settings.allow_loopback_endpoints
+    updated = deployments.update_deployment(session, name, body, allow_loopback=loopback)
     return deployments.with_replicas(updated, request.app.state.discovery)
