@@ -277,7 +277,16 @@ class LLMEngine:
         entry = self.registry.entry(name)
         if facts is None or facts.draining or entry is None:
             return None
-        return AdapterInfo(name, facts.sha256, facts.pages, entry.resident, facts.failed)
+        return AdapterInfo(
+            name,
+            facts.sha256,
+            facts.pages,
+            entry.resident,
+            facts.failed,
+            entry.admissions,
+            entry.cold_admissions,
+            entry.loads,
+        )
 
     def adapters(self) -> list[AdapterInfo]:
         """Every registered adapter, by name."""

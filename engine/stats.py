@@ -30,6 +30,9 @@ class AdapterInfo:
     pages: int  # pool pages it occupies when resident
     resident: bool
     failed: str | None  # why it is refused, if it is
+    admissions: int = 0  # requests admitted with it since it was registered
+    cold_admissions: int = 0  # of those, the ones that waited for its rows to be loaded
+    loads: int = 0  # copies of its rows into the pool
 
 
 @dataclass(frozen=True)

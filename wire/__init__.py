@@ -242,6 +242,11 @@ class AdapterEntry(TypedDict):
     sha256: str
     resident: bool  # its weights are in the device pool now
     failed: str | None  # why the engine refuses these weights, if it does
+    # Since it was registered on this engine: requests admitted with it, those of them that waited for its
+    # weights to be loaded into the pool (a cold load on the request path), and its loads into the pool.
+    admissions: int
+    cold_admissions: int
+    loads: int
 
 
 class Registered(TypedDict):

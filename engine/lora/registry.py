@@ -53,6 +53,13 @@ class AdapterEntry:
     pages: list[int] | None = None  # its pool pages while resident
     loaded: bool = False  # its rows are in those pages (False: pages handed out, the copy still to do)
     draining: bool = False  # unregistered: it serves its users, then it is forgotten
+    # Since it was registered (GET /internal/adapters shows them, per adapter and pod, so the gateway's
+    # placement can be checked where it lands): requests admitted with it (`acquire`; one put back for
+    # want of KV pages counts again when it is admitted again), those that found its rows not yet in the
+    # pool (they waited for a load: what prewarm spares), and copies of its rows into the pool.
+    admissions: int = 0
+    cold_admissions: int = 0
+    loads: int = 0
 
     @property
     def manifest(self) -> AdapterManifest:
@@ -254,6 +261,8 @@ class AdapterRegistry:
             return False
         if not entry.resident and not self._place(entry):
             return False
+        entry.admissions += 1
+        entry.cold_admissions += not entry.loaded
         entry.references += 1
         self._unused.pop(name, None)
         return True
@@ -297,7 +306,9 @@ class AdapterRegistry:
 
     def loaded(self, name: str) -> None:
         """The rows of `name` are in its pages: steps may read them."""
-        self._entries[name].loaded = True
+        entry = self._entries[name]
+        entry.loaded = True
+        entry.loads += 1
         self._loading.pop(name, None)
         self.version += 1
 

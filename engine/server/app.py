@@ -616,7 +616,15 @@ def _add_adapter_routes(app: FastAPI, state: ServerState) -> None:
         engine = state.serving()
 
         data = [
-            wire.AdapterEntry(name=a.name, sha256=a.sha256, resident=a.resident, failed=a.failed)
+            wire.AdapterEntry(
+                name=a.name,
+                sha256=a.sha256,
+                resident=a.resident,
+                failed=a.failed,
+                admissions=a.admissions,
+                cold_admissions=a.cold_admissions,
+                loads=a.loads,
+            )
             for a in await engine.adapters()
         ]
         return {"object": "list", "data": data}

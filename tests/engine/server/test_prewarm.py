@@ -30,9 +30,13 @@ def prewarm(server: Server, name: str, uri: str, sha256: str | None = None, **he
     )
 
 
+def listed(server: Server, name: str) -> dict[str, object]:
+    answer = httpx.get(f"{server.url}{wire.ADAPTERS_PATH}", headers=INTERNAL, timeout=10).json()["data"]
+    return dict(next(a for a in answer if a["name"] == name))
+
+
 def resident(server: Server, name: str) -> bool:
-    listed = httpx.get(f"{server.url}{wire.ADAPTERS_PATH}", headers=INTERNAL, timeout=10).json()["data"]
-    return next(a["resident"] for a in listed if a["name"] == name)
+    return bool(listed(server, name)["resident"])
 
 
 def test_a_prewarmed_adapter_s_first_request_pays_no_load(server: Server, tmp_path: Path) -> None:
@@ -56,6 +60,19 @@ def test_a_prewarmed_adapter_s_first_request_pays_no_load(server: Server, tmp_pa
     assert content(answer).isupper()
     server.wait_idle()
     assert server.sample("loraplex_adapter_loads_total") == loads + 1  # no load on the request path
+    counts = listed(server, name)  # and the adapter's own counts say so, on this pod
+    assert (counts["admissions"], counts["cold_admissions"], counts["loads"]) == (1, 0, 1)
+
+
+def test_a_request_that_waits_for_its_adapter_s_load_is_counted_cold(server: Server, tmp_path: Path) -> None:
+    copy = shutil.copytree(DEMO_ADAPTER, tmp_path / "demo")
+    adapter_id, sha256 = str(uuid.uuid4()), adapter_digest(copy)
+    headers = gateway_headers(adapter_id, copy.as_uri(), sha256, "tenant-c")
+    for _ in range(2):  # the first loads it, the second finds it in the pool
+        assert content(chat(server, "mine", headers)).isupper()
+    server.wait_idle()
+    counts = listed(server, f"id:{adapter_id}")
+    assert (counts["admissions"], counts["cold_admissions"], counts["loads"]) == (2, 1, 1)
 
 
 def test_prewarm_failures_say_whose_fault(server: Server, tmp_path: Path) -> None:
@@ -105,6 +122,9 @@ def test_a_warm_adapter_is_idle_and_gives_way_like_any_idle_one() -> None:
     registry.add_user("a")
     assert registry.acquire("a")  # and c, idle, gives way to a request in turn
     assert registry.resident_names() == ["b", "a"]
+    # Per adapter: admissions, those that found it not loaded (a waited for its reload), loads.
+    counts = {n: (e.admissions, e.cold_admissions, e.loads) for n in "abc" if (e := registry.entry(n))}
+    assert counts == {"a": (1, 1, 1), "b": (1, 1, 1), "c": (0, 0, 0)}
 
 
 def test_warming_what_cannot_be_warmed_says_why() -> None:
