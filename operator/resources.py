@@ -20,6 +20,9 @@ ENGINE_PORT = 8000
 MODEL_CACHE_DIR = "/var/cache/loraplex"
 # Engine pods run as this uid whatever USER the image names, so runAsNonRoot is checkable by the kubelet.
 ENGINE_UID = 65532
+# Seconds an engine pod being deleted keeps serving (its preStop) while its adapters are prewarmed
+# elsewhere; within terminationGracePeriodSeconds with room for the drain after SIGTERM.
+HANDOVER_SECONDS = 10
 MANAGED_BY = "loraplex-operator"
 # Holds the hash of the desired child: a child whose annotation differs (or is missing) is re-applied.
 HASH_ANNOTATION = "loraplex.dev/desired-hash"
@@ -180,6 +183,9 @@ def _pod_spec(idep: InferenceDeployment) -> dict[str, Any]:
                 # process that stopped answering at all, and the startup probe covers the load.
                 "startupProbe": _probe("/health", period=10, failures=90),
                 "readinessProbe": _probe("/ready", period=5, failures=3),
+                # A pod being deleted keeps serving this long before SIGTERM: the gateway sees it leaving,
+                # warms its adapters' new pods and sends their traffic there first (docs/placement.md).
+                "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(HANDOVER_SECONDS)]}}},
                 "livenessProbe": _probe("/health", period=15, failures=4),
                 "volumeMounts": [
                     {"name": "model-cache", "mountPath": MODEL_CACHE_DIR},

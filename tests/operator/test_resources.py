@@ -78,6 +78,15 @@ def test_cpu_example_has_no_gpu_and_a_pdb_that_allows_drains() -> None:
     }
 
 
+def test_a_deleted_engine_pod_serves_through_its_handover_before_sigterm() -> None:
+    """The preStop keeps a leaving pod serving while the gateway warms its adapters' new pods; it ends well
+    inside the grace period, which must still hold the drain after SIGTERM."""
+    pod = by_kind(desired_objects(parse(body("minimal-cpu.yaml"))))["Deployment"]["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    command = container["lifecycle"]["preStop"]["exec"]["command"]
+    assert command[0] == "sleep" and 0 < int(command[1]) <= pod["terminationGracePeriodSeconds"] // 2
+
+
 def test_store_endpoint_and_a_model_cache_claim() -> None:
     store = {"uri": "s3://adapters", "endpointUrl": "http://minio.storage.svc:9000"}
     objs = by_kind(desired_objects(parse(body(adapterStore=store, modelCache={"claimName": "models"}))))

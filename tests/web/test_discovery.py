@@ -311,6 +311,15 @@ def test_readiness_needs_the_condition_an_ip_and_no_deletion() -> None:
         pod(podIP="10.0.0.1", conditions=ready, meta={"deletionTimestamp": "2026-01-01T00:00:00Z"})
     )
     assert not going.ready and going.detail == "terminating"
+    assert going.leaving  # still serving through its preStop: it may hand its adapters over
+    gone = replica_of(
+        pod(
+            podIP="10.0.0.1",
+            conditions=[{"type": "Ready", "status": "False"}],
+            meta={"deletionTimestamp": "2026-01-01T00:00:00Z"},
+        )
+    )
+    assert not gone.ready and not gone.leaving
 
 
 def test_when_a_replica_goes_only_its_adapters_move() -> None:

@@ -134,3 +134,46 @@ def test_the_router_sends_a_flood_to_a_grown_pod_only_once_it_is_warm() -> None:
             work.done()
 
     run(test)
+
+
+class Pods:
+    """Discovery's view of one kubernetes:// deployment: its ready pods and those leaving (still serving)."""
+
+    def __init__(self, ready: list[str]):
+        self.ready, self.leaving_pods = list(ready), []  # type: ignore[var-annotated]
+
+    def expand(self, endpoints: list[str]) -> list[str]:
+        return list(self.ready)
+
+    def leaving(self, endpoints: list[str]) -> list[str]:
+        return list(self.leaving_pods)
+
+    def delete(self, pod: str) -> None:  # a scale-in: Ready off, still serving through its preStop
+        self.ready.remove(pod)
+        self.leaving_pods.append(pod)
+
+
+def test_a_scaled_in_pod_serves_its_adapters_until_their_new_pod_is_warm() -> None:
+    async def test() -> None:
+        engines = Engines()
+        warm = Prewarmer(engines.post)
+        pods = Pods(["http://a", "http://b", "http://c"])
+        router = Router(cooldown_s=5, discovery=pods, clock=lambda: 0.0)  # type: ignore[arg-type]
+        router.subscribe(warm.on_change)
+        router.arrange = warm.arrange
+        deployment = ["kubernetes://ns/engines"]
+        warm.remember(KEY, TENANT_A)
+        holder = router.order(KEY, deployment)[0]
+        pods.delete(holder)
+        order = router.order(KEY, deployment)
+        await asyncio.sleep(0)
+        (successor,) = router.replica_set(KEY, deployment)
+        assert successor != holder and warm.warming(successor, KEY)
+        assert order[:2] == [holder, successor]  # the leaving pod still holds it: no cold load
+        engines.gate.set()
+        await warm.settle()
+        assert router.order(KEY, deployment)[0] == successor
+        pods.leaving_pods.clear()  # gone: nothing refers to it any more
+        assert holder not in router.order(KEY, deployment)
+
+    run(test)

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from .pod_owners import EngineOwners
+from .pod_owners import EngineOwners, OwnersUnknown
 
 if TYPE_CHECKING:
     from kubernetes.client import CoreV1Api
@@ -91,6 +91,9 @@ class PodReplica:
     endpoint: str | None
     ready: bool
     detail: str
+    # Being deleted but still serving (its preStop hands its adapters over before SIGTERM): no new
+    # placements, but requests for the adapters it holds may still go there until their new pods are warm.
+    leaving: bool = False
 
 
 def replica_of(pod: dict[str, Any]) -> PodReplica:
@@ -103,7 +106,8 @@ def replica_of(pod: dict[str, Any]) -> PodReplica:
     ready_condition = next((c for c in conditions if isinstance(c, dict) and c.get("type") == "Ready"), None)
     name = str(meta.get("name") or "?")
     if meta.get("deletionTimestamp"):
-        return PodReplica(name, endpoint, False, "terminating")
+        serving = ready_condition is not None and ready_condition.get("status") == "True"
+        return PodReplica(name, endpoint, False, "terminating", leaving=serving and endpoint is not None)
     if ready_condition is None or ready_condition.get("status") != "True":
         reason = (ready_condition or {}).get("reason") or status.get("phase") or "starting"
         return PodReplica(name, endpoint, False, f"not ready ({reason})")
@@ -152,6 +156,10 @@ class PodWatch:
         self.lists = 0  # LISTs done (tests and logs read it)
         self.last_error: str | None = None
         self._pods: dict[str, PodReplica] = {}
+        # Each pod's latest object, and how often its owners could not be checked in a row: a check the
+        # API server could not answer is asked again (a Ready pod may send no further event).
+        self._seen: dict[str, dict[str, Any]] = {}
+        self._rechecks: dict[str, int] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._response: Any = None
@@ -214,8 +222,11 @@ class PodWatch:
             _request_timeout=(5.0, 30.0),
         )
         body = json.loads(response.data)
+        items = body.get("items") or []
+        with self._lock:
+            self._seen = {_name_of(item): item for item in items}
         pods = {}
-        for item in body.get("items") or []:
+        for item in items:
             replica = self._replica(item)
             pods[replica.pod] = replica
         with self._lock:
@@ -263,12 +274,45 @@ class PodWatch:
 
     def _replica(self, pod: dict[str, Any]) -> PodReplica:
         replica = replica_of(pod)
-        if not replica.ready:
-            return replica  # nothing to route to yet: the owners are checked once it could be
-        problem = self.owners.problem(pod)
-        if problem is not None:
-            log.warning("%s: pod %s is refused: %s", self.target.uri, replica.pod, problem)
+        if replica.endpoint is None:
+            return replica  # no address to send anything to: the owners are checked once it has one
+        try:
+            problem = self.owners.problem(pod)
+        except OwnersUnknown as exc:
+            problem = f"its owners cannot be checked now ({exc}); asked again shortly"
+            self._recheck_later(replica.pod)
+        else:
+            with self._lock:
+                self._rechecks.pop(replica.pod, None)
+            if problem is not None:
+                log.warning("%s: pod %s is refused: %s", self.target.uri, replica.pod, problem)
         return _owned(replica, problem)
+
+    def _recheck_later(self, name: str) -> None:
+        with self._lock:
+            tries = self._rechecks[name] = self._rechecks.get(name, 0) + 1
+        delay = min(self.backoff_max_s, self.backoff_min_s * 2 ** min(tries - 1, 16))
+        timer = threading.Timer(delay, self._recheck, (name,))
+        timer.daemon = True
+        timer.start()
+
+    def _recheck(self, name: str) -> None:
+        """Check the pod's owners again; its entry changes only if no newer event came meanwhile."""
+        with self._lock:
+            pod = self._seen.get(name)
+            listed = name in self._pods
+        if pod is None or self._stop.is_set():
+            return
+        if not listed:  # the LIST or event that asked for this has not stored its result yet
+            self._recheck_later(name)
+            return
+        replica = self._replica(pod)
+        with self._lock:
+            current = self._pods.get(name) if self._seen.get(name) is pod else None
+            if current is not None:
+                self._pods[name] = replica
+        if current is not None and replica.ready and not current.ready:
+            log.info("%s: pod %s ready (its owners checked on a retry)", self.target.uri, name)
 
     def _apply(self, event: dict[str, Any]) -> str | None:
         kind, obj = event.get("type"), event.get("object") or {}
@@ -278,6 +322,11 @@ class PodWatch:
             raise RuntimeError(f"watch error {obj.get('code')}: {obj.get('message')}")
         version = (obj.get("metadata") or {}).get("resourceVersion")
         if kind in ("ADDED", "MODIFIED", "DELETED"):
+            with self._lock:
+                if kind == "DELETED":
+                    self._seen.pop(_name_of(obj), None)
+                else:
+                    self._seen[_name_of(obj)] = obj
             replica = replica_of(obj) if kind == "DELETED" else self._replica(obj)
             with self._lock:
                 before = self._pods.get(replica.pod)
@@ -288,6 +337,10 @@ class PodWatch:
             if before is None or kind == "DELETED" or before.ready != replica.ready:
                 log.info("%s: pod %s %s (%s)", self.target.uri, replica.pod, kind.lower(), replica.detail)
         return str(version) if version else None
+
+
+def _name_of(pod: dict[str, Any]) -> str:
+    return str((pod.get("metadata") or {}).get("name") or "?")  # as replica_of names it
 
 
 def _owned(replica: PodReplica, problem: str | None) -> PodReplica:
@@ -429,6 +482,17 @@ class Discovery:
         if watch.last_error:
             return f"{text}; the API server is failing, so this may be stale: {watch.last_error}"
         return text
+
+    def leaving(self, endpoints: list[str]) -> list[str]:
+        """The URLs of pods behind kubernetes:// endpoints that are being deleted but still serve."""
+        out = [
+            replica.endpoint
+            for endpoint in endpoints
+            if is_kubernetes_uri(endpoint)
+            for replica in self.replicas(endpoint) or []
+            if replica.leaving and replica.endpoint
+        ]
+        return list(dict.fromkeys(out))
 
     def expand(self, endpoints: list[str]) -> list[str]:
         """Static endpoints as they are, each kubernetes:// one as its ready pods' URLs (deduplicated)."""
