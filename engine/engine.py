@@ -7,7 +7,9 @@ raises (or yields logits that are not finite) is run again once; if it fails aga
 bisected by adapter to find the adapters whose requests fail on their own. Only their requests end,
 with `adapter_failed`, the adapters are refused from then on, and the rest of the batch runs. A failure
 no adapter explains is raised (as `StepError`, after the one retry) for the server to fail the step's
-requests.
+requests. Sampling is part of each request's fault domain too: a row that cannot be sampled (parameters
+that got past every check) ends that request alone with `engine_error`, on the plain and pipelined paths
+and after the retry, and the rest of the step is sampled without it.
 """
 
 from __future__ import annotations

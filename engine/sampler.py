@@ -11,6 +11,7 @@ the same tensor) to the host in one copy.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -60,7 +61,9 @@ def filter_logits(
     logits = logits / temperature[:, None]
     vocab = logits.shape[-1]
     if max_top_k > 0:
-        k = top_k.long().clamp(max=vocab)
+        # Clamped while still float: converting a float past int64's range (top_k 2**63-1 reads 2**63 in
+        # float32) is undefined and differs between a batch and a row alone; NaN reads as 0 (no limit).
+        k = top_k.nan_to_num(0.0).clamp(min=0, max=vocab).long()  # [S]
         kth = logits.topk(min(max_top_k, vocab), dim=-1).values.gather(1, (k - 1).clamp(min=0)[:, None])
         kth = kth.masked_fill((k == 0)[:, None], float("-inf"))  # [S, 1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -122,6 +125,7 @@ class StepSample:
     packed: torch.Tensor
     logprob_rows: list[int] = field(default_factory=list)
     widest: int = 0
+    logprob_counts: list[int] = field(default_factory=list)  # alternatives per asking row
     has_finite: bool = False  # the caller's per-row finite flags follow the token ids in `packed`
     _resolved: list[int] | None = None
     _values: list[float] | None = None
@@ -155,7 +159,7 @@ class StepSample:
         top_values = values[base + len(rows) : base + len(rows) * (1 + widest)]
         top_ids = values[base + len(rows) * (1 + widest) :]
         for j, i in enumerate(rows):
-            k = self.requests[i].params.logprobs or 0
+            k = self.logprob_counts[j]
             start = j * widest
             top = [(int(top_ids[start + n]), top_values[start + n]) for n in range(k)]
             self.requests[i].output.logprobs.append(TokenLogprob(tokens[i], chosen[j], top))
@@ -181,7 +185,10 @@ def sample_step(
     tokens = _sample_rows(logits, requests, sampled, greedy) if sampled else greedy
     assert tokens is not None
     rows = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
-    widest = max((requests[i].params.logprobs or 0 for i in rows), default=0)
+    # Read once, here: a count that is not an integer raises now, inside the engine's per-request fault
+    # isolation, not in resolve(), which reads no parameter.
+    counts = [operator.index(requests[i].params.logprobs or 0) for i in rows]
+    widest = max(counts, default=0)
     parts = [tokens.double()]
     if finite is not None:
         parts.append(finite.double())
@@ -195,7 +202,7 @@ def sample_step(
             top = logp.topk(widest, dim=-1)
             parts += [top.values.reshape(-1).double(), top.indices.reshape(-1).double()]
     packed = torch.cat(parts) if len(parts) > 1 else parts[0]
-    return StepSample(tokens, requests, logits, packed, rows, widest, finite is not None)
+    return StepSample(tokens, requests, logits, packed, rows, widest, counts, finite is not None)
 
 
 def _sample_rows(
