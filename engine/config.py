@@ -96,7 +96,8 @@ class EngineConfig:
         ),
     ] = 1024
     max_model_len: Annotated[
-        int | None, Opt("prompt + output tokens at most", minimum=2, none="the model's context length")
+        int | None,
+        Opt("prompt + output tokens at most", minimum=2, none="the model's context length, at most 131072"),
     ] = None
     adapter_host_cache_bytes: Annotated[
         int,

@@ -8,6 +8,7 @@ Q, K and V share one matmul, as do gate and up: fewer, larger matmuls are what a
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol, cast
 
@@ -19,6 +20,7 @@ from ..kernels.reference import apply_rotary
 from .config import ModelConfig
 from .errors import ModelLoadError
 from .layer_ops import REFERENCE_OPS, LayerOps, ops_of
+from .limits import DEFAULT_MAX_POSITIONS, MAX_CONTEXT_LENGTH
 from .quant import QuantizedWeight, Weight, concat_rows, linear
 from .rope import cos_sin_table
 
@@ -142,7 +144,7 @@ class LlamaModel(nn.Module):
             if c.tie_word_embeddings
             else nn.Parameter(torch.empty(c.vocab_size, c.hidden_size, **kw), requires_grad=False)
         )
-        cos, sin = cos_sin_table(c, max_positions or c.max_position_embeddings, dtype, device)
+        cos, sin = cos_sin_table(c, rotary_positions(c, max_positions), dtype, device)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
@@ -182,16 +184,7 @@ class LlamaModel(nn.Module):
         ModelLoadError that names it. A QuantizedWeight (quant.py) replaces its projection's parameter;
         a quantized lm_head of a tied model sits beside the dense embedding, which lookups need as rows.
         """
-        expected = expected_shapes(self.config)
-        missing = [name for name in expected if name not in weights and not _is_optional(name, self.config)]
-        if missing:
-            raise ModelLoadError(f"checkpoint is missing {len(missing)} tensor(s), first: {missing[0]}")
-        for name, shape in expected.items():  # model order, so the first mismatch is the one reported
-            if name in weights and tuple(weights[name].shape) != shape:
-                raise ModelLoadError(
-                    f"shape mismatch for {name}: checkpoint has {tuple(weights[name].shape)}, "
-                    f"the model config expects {shape}"
-                )
+        check_shapes(self.config, {name: tuple(weight.shape) for name, weight in weights.items()})
         with torch.no_grad():
             _set_weight(self, "embed_tokens", [weights["model.embed_tokens.weight"]])
             _set_weight(self, "norm", [weights["model.norm.weight"]])
@@ -226,6 +219,44 @@ def _set_weight(module: nn.Module, name: str, parts: list[Weight]) -> None:
         raise ModelLoadError(f"{name}: its parts mix dense and quantized tensors; quantize them alike")
     module._parameters.pop(name, None)
     setattr(module, name, concat_rows([cast(QuantizedWeight, part) for part in parts]))
+
+
+def rotary_positions(config: ModelConfig, max_positions: int | None) -> int:
+    """Rows of the rotary tables: the positions the engine will serve (its max_model_len), else the
+    model's context length up to DEFAULT_MAX_POSITIONS; never what a file claims unbounded (a GGUF's
+    context_length of 2**27 made 2 GiB of tables)."""
+    if max_positions is None:
+        return min(config.max_position_embeddings, DEFAULT_MAX_POSITIONS)
+    if not 0 < max_positions <= MAX_CONTEXT_LENGTH:
+        raise ModelLoadError(f"max_model_len must be from 1 to {MAX_CONTEXT_LENGTH}, got {max_positions}")
+    return max_positions
+
+
+def check_shapes(
+    config: ModelConfig, shapes: Mapping[str, tuple[int, ...]], layers_field: str = "num_layers"
+) -> None:
+    """Refuse a checkpoint whose tensors (Hugging Face names -> shapes) do not fit `config`: more layers
+    declared (`layers_field`, as the file names it) than it holds tensors for, a missing tensor, a wrong
+    shape. Called on the shapes alone, before the model or any weight is allocated."""
+    held = {int(m.group(1)) for name in shapes if (m := _LAYER_NAME.match(name))}
+    if config.num_layers > len(held):
+        raise ModelLoadError(
+            f"{layers_field} is {config.num_layers}, but the checkpoint holds tensors for {len(held)} layers"
+        )
+    expected = expected_shapes(config)
+    missing = [name for name in expected if name not in shapes and not _is_optional(name, config)]
+    if missing:
+        raise ModelLoadError(f"checkpoint is missing {len(missing)} tensor(s), first: {missing[0]}")
+    for name, shape in expected.items():  # model order, so the first mismatch is the one reported
+        if name in shapes and tuple(shapes[name]) != shape:
+            raise ModelLoadError(
+                f"shape mismatch for {name}: checkpoint has {tuple(shapes[name])}, "
+                f"the model config expects {shape}"
+            )
+
+
+# A layer index as checkpoints write it (at most six digits, no leading zeros): counted, never int()'d long.
+_LAYER_NAME = re.compile(r"model\.layers\.(0|[1-9][0-9]{0,5})\.")
 
 
 def _is_optional(name: str, config: ModelConfig) -> bool:

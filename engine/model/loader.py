@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -104,14 +104,15 @@ def load_model(
         config, metadata, weights = load_gguf(
             path, keep_int4=kind == "int4" and group_size == GGUF_GROUP_SIZE
         )
-        tokenizer = Tokenizer.from_gguf_metadata(metadata)
+        tokenizer = _tokenizer(path, lambda: Tokenizer.from_gguf_metadata(metadata))
     else:
         ggufs = sorted(path.glob("*.gguf"))
         if not (path / "config.json").is_file() and len(ggufs) == 1:
             return load_model(ggufs[0], dtype, device, seed, max_positions, None, quantization)
         config, dense = load_hf_directory(path)
         weights = dict[str, Weight](dense)
-        tokenizer = Tokenizer.from_directory(path) if (path / "tokenizer.json").is_file() else None
+        has_tokenizer = (path / "tokenizer.json").is_file()
+        tokenizer = _tokenizer(path, lambda: Tokenizer.from_directory(path)) if has_tokenizer else None
     if tokenizer is not None and not tokenizer.eos_token_ids:
         tokenizer.eos_token_ids = config.eos_token_ids
     if kind is not None:
@@ -136,6 +137,16 @@ def load_model(
         dense_copy_bytes(model) / 2**20,
     )
     return LoadedModel(model, tokenizer, config, str(path), quantization)
+
+
+def _tokenizer(path: Path, build: Callable[[], Tokenizer]) -> Tokenizer:
+    """The model's tokenizer; whatever the file's tokenizer fields make the tokenizers library raise
+    (a merge without a space, an unknown pre-tokenizer) is a ModelLoadError, not a bare exception."""
+    try:
+        return build()
+    except Exception as exc:
+        reason = " ".join(str(exc).split())[:300]
+        raise ModelLoadError(f"{path}: cannot build its tokenizer ({type(exc).__name__}: {reason})") from None
 
 
 @contextmanager
