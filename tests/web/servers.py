@@ -51,6 +51,8 @@ class StubEngine:
     gate: threading.Event = field(default_factory=threading.Event)
     received: list[dict[str, Any]] = field(default_factory=list)
     chunks_sent: int = 0
+    # Shutting down: every request gets the engine's 503 not_ready, as a draining `loraplex serve` answers.
+    draining: bool = False
 
     def __post_init__(self) -> None:
         self.gate.set()
@@ -61,6 +63,9 @@ class StubEngine:
         async def answer(request: Request) -> Response:
             body = await request.json()
             self.received.append({"path": request.url.path, "headers": dict(request.headers), "body": body})
+            if self.draining:
+                error = {"message": "not ready: draining", "type": "server_error", "code": "not_ready"}
+                return JSONResponse({"error": error}, status_code=503, headers={"Retry-After": "1"})
             if body.get("stream"):
                 return StreamingResponse(self._stream(body), media_type="text/event-stream")
             await anyio.sleep(self.delay_s)

@@ -422,3 +422,23 @@ def test_adapter_unavailable_is_a_503_and_marks_nothing(failing: Failing) -> Non
     assert response.status_code == 503 and response.headers["Retry-After"]
     assert response.json()["error"]["code"] == "adapter_unavailable"
     assert failing.adapter_row()["status"] == "ready"
+
+
+def test_a_draining_replica_s_refusal_goes_to_the_next_replica(setup: Setup) -> None:
+    """A pod scaled in answers 503 not_ready until the gateway sees it leave: those requests are sent on,
+    streams too, and nothing fails; with every replica draining, the client gets the 503 to retry."""
+    sha = str(setup.adapter["sha256"])
+    preferred, other = rendezvous_order(f"adapter:{sha}", list(setup.engines))
+    setup.engines[preferred].draining = True
+    with httpx.Client(base_url=setup.url, headers=setup.headers, timeout=10) as client:
+        for _ in range(3):
+            response = client.post("/v1/chat/completions", json=chat())
+            assert response.status_code == 200, response.text
+            assert response.json()["served_by"] == setup.engines[other].name
+        with client.stream("POST", "/v1/chat/completions", json=chat(stream=True)) as stream:
+            assert stream.status_code == 200
+            assert "data: [DONE]" in stream.read().decode()
+        assert setup.engines[preferred].received, "the draining replica was asked first"
+        setup.engines[other].draining = True
+        refused = client.post("/v1/chat/completions", json=chat())
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "not_ready"

@@ -333,7 +333,8 @@ class Gateway:
         ref, key = target.adapter, target.affinity_key
         if self.prewarmer is not None and ref is not None and key is not None:
             self.prewarmer.remember(key, ref)  # what to register on a pod its set grows to
-        for replica in self.router.order(key, target.endpoints, target.adapter_bytes):
+        replicas = self.router.order(key, target.endpoints, target.adapter_bytes)
+        for i, replica in enumerate(replicas):
             request = self.http.build_request(
                 "POST", f"{replica}/v1/{endpoint}", content=content, headers=headers
             )
@@ -349,9 +350,27 @@ class Gateway:
             except BaseException:
                 work.done()
                 raise
+            if i + 1 < len(replicas) and await _not_ready(response):
+                # Loading or draining (a pod scaled in): nothing was produced, the next replica takes it.
+                work.done()
+                await response.aclose()
+                self.router.mark_down(replica)
+                continue
             self.router.mark_up(replica)
             return response, work
         raise last
+
+
+async def _not_ready(response: httpx.Response) -> bool:
+    """The engine refused before doing anything because it is not serving now (503 not_ready). Its body
+    is small and read here; whoever gets the response after this reads it from memory."""
+    if response.status_code != 503:
+        return False
+    try:
+        error = wire.WireError.from_body(json.loads(await response.aread()))
+    except (ValueError, httpx.HTTPError):
+        return False
+    return error is not None and error.code == wire.NOT_READY
 
 
 def _engine_timeout() -> Refused:
