@@ -10,6 +10,7 @@ import pytest
 from loraplex import wire
 from loraplex.web.services.prewarm import Prewarmer
 from loraplex.web.services.routing import Change, PlacementPolicy, Router
+from loraplex.web.services.warming import Warming
 
 KEY = "adapter:" + "a" * 64
 TENANT_A = wire.AdapterRef("11111111-1111-1111-1111-111111111111", "s3://store/a", "a" * 64)
@@ -177,3 +178,43 @@ def test_a_scaled_in_pod_serves_its_adapters_until_their_new_pod_is_warm() -> No
         assert holder not in router.order(KEY, deployment)
 
     run(test)
+
+
+def test_the_bookkeeping_alone_needs_no_event_loop() -> None:
+    # The same object bench cluster drives on simulated pods: started/finished, no asyncio.
+    state = Warming()
+    assert state.on_change(change(("p2",), reason="placed")) == ()
+    assert state.on_change(change(("p3",), removed=("p1",), reason="pods")) == ("p3",)
+    state.started("p3", KEY)
+    assert state.on_change(change(("p3",), reason="pods")) == ()  # already warming: not twice
+    assert state.in_flight() == [("p3", KEY)]
+    assert state.arrange(KEY, ["p3"], {"p1", "p3"}) == ["p1", "p3"]
+    state.finished("p3", KEY, ok=False)
+    assert (state.warmed, state.failed) == (0, 1) and not state.warming("p3", KEY)
+    assert state.arrange(KEY, ["p3"], {"p1", "p3"}) == ["p3"]  # served cold, as without prewarm
+    state.finished("p3", KEY, ok=True)  # a late second answer changes nothing
+    assert (state.warmed, state.failed) == (0, 1)
+
+
+def test_a_set_waits_for_its_warming_member_before_growing_again() -> None:
+    state = Warming()
+    router = Router(cooldown_s=5, policy=PlacementPolicy(saturation=2), clock=lambda: 0.0)
+    router.arrange = state.arrange
+
+    def changed(c: Change) -> None:
+        for pod in state.on_change(c):
+            state.started(pod, c.key)
+
+    router.subscribe(changed)
+    pods = ["http://a", "http://b", "http://c", "http://d"]
+    first = router.order(KEY, pods)[0]
+    works = [router.begin(first, KEY) for _ in range(4)]
+    assert router.order(KEY, pods)[0] == first  # grew, and the new member warms: the old one serves
+    (grown,) = [p for p in router.replica_set(KEY, pods) if p != first]
+    works += [router.begin(first, KEY) for _ in range(4)]
+    router.order(KEY, pods)
+    assert router.replica_set(KEY, pods) == (first, grown)  # not a third while the second warms
+    state.finished(grown, KEY, ok=True)
+    assert router.order(KEY, pods)[0] == grown
+    for work in works:
+        work.done()

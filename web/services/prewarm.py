@@ -1,13 +1,12 @@
-"""Prewarm: a pod that joins an adapter's replica set loads the adapter before it takes the adapter's traffic.
+"""Prewarm, the gateway's driver: a pod that joins an adapter's replica set loads the adapter before it takes
+the adapter's traffic.
 
 The router's placement (routing.py) announces every replica-set change. For each pod a change adds, this
-asks the engine there to register and load the adapter (wire.PREWARM_PATH) in the background, and until
-that answers the pod is *warming*: the router tries it after the members that hold the adapter already,
-and after the pods that held it before the change (a set moved by a pod joining the deployment, or a pod
-leaving it while it still serves), so no request pays a cold load that a warm pod could have spared it.
-A pod that cannot be warmed (refused, unreachable, timed out) stops warming: requests may reach it then
-and load the adapter themselves, as without prewarm. Its first placement on an empty set is not prewarmed:
-a request is already waiting for it, and the engine loads it for that request.
+asks the engine there to register and load the adapter (wire.PREWARM_PATH) in the background; which pods
+are warming, and the order the router tries a set's members in meanwhile, is `warming.Warming`'s
+bookkeeping (the same object `bench cluster` drives on simulated pods). A pod that cannot be warmed
+(refused, unreachable, timed out) stops warming: requests may reach it then and load the adapter
+themselves, as without prewarm.
 
 Bookkeeping is per control-plane replica and in memory: a replica that missed a change only routes a
 request to a cold member once, exactly as without prewarm.
@@ -26,6 +25,7 @@ import httpx
 from loraplex import wire
 
 from .routing import Change
+from .warming import Warming
 
 log = logging.getLogger(__name__)
 
@@ -45,10 +45,16 @@ class Prewarmer:
         self._post = post
         self._max = max_remembered
         self._refs: OrderedDict[str, list[wire.AdapterRef]] = OrderedDict()
-        self._warming: dict[tuple[str, str], asyncio.Task[None]] = {}
-        self._handing_over: dict[str, tuple[str, ...]] = {}  # key -> pods that held it before a move
-        self.warmed = 0  # prewarms that answered (tests and logs)
-        self.failed = 0
+        self.state = Warming()
+        self._tasks: dict[tuple[str, str], asyncio.Task[None]] = {}
+
+    @property
+    def warmed(self) -> int:  # prewarms that answered (tests and logs)
+        return self.state.warmed
+
+    @property
+    def failed(self) -> int:
+        return self.state.failed
 
     @classmethod
     def over_http(cls, http: httpx.AsyncClient, engine_token: str) -> Prewarmer:
@@ -81,65 +87,50 @@ class Prewarmer:
         refs = self._refs.get(change.key)
         if not refs or not change.added:
             return
-        if change.reason == "placed":  # an empty set's first pod: its request is already on the way
-            return
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:  # placed outside the server's loop (a script): nobody to await the loads
             return
-        if change.removed:
-            self._handing_over[change.key] = tuple(
-                dict.fromkeys((*self._handing_over.get(change.key, ()), *change.removed))
-            )
-        for pod in change.added:
-            if (pod, change.key) not in self._warming:
-                task = loop.create_task(self._warm(pod, change.key, list(refs)))
-                self._warming[(pod, change.key)] = task
+        for pod in self.state.on_change(change):
+            self.state.started(pod, change.key)
+            self._tasks[(pod, change.key)] = loop.create_task(self._warm(pod, change.key, list(refs)))
 
     # -- what the router asks -----------------------------------------------------------------------
 
     def warming(self, pod: str, key: str) -> bool:
-        return (pod, key) in self._warming
+        return self.state.warming(pod, key)
 
     def arrange(self, key: str, members: list[str], healthy: Iterable[str]) -> list[str]:
-        """Members in the order to try them: those not warming (in the order given), then the pods that
-        held the adapter before the change (while any member warms), then the warming members."""
-        warming = [m for m in members if self.warming(m, key)]
-        if not warming:
-            self._handing_over.pop(key, None)
-            return members
-        ready = [m for m in members if m not in warming]
-        alive = set(healthy)
-        previous = [p for p in self._handing_over.get(key, ()) if p in alive and p not in members]
-        return ready + previous + warming
+        """Members in the order to try them (`Warming.arrange`): not warming, then the pods the adapter
+        moved from, then the warming ones."""
+        return self.state.arrange(key, members, healthy)
 
     async def close(self) -> None:
         """Stop the prewarms in flight (the server is stopping: nobody will route to their pods)."""
-        tasks = list(self._warming.values())
+        tasks = list(self._tasks.values())
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
     async def settle(self) -> None:
         """Wait for every prewarm in flight (tests; a shutdown)."""
-        while self._warming:
-            await asyncio.gather(*self._warming.values(), return_exceptions=True)
+        while self._tasks:
+            await asyncio.gather(*self._tasks.values(), return_exceptions=True)
 
     # -- inside -------------------------------------------------------------------------------------
 
     async def _warm(self, pod: str, key: str, refs: list[wire.AdapterRef]) -> None:
+        ok = False
         try:
             for ref in refs:
                 await self._post(pod, ref)
-            self.warmed += 1
+            ok = True
             log.info("prewarmed adapter on a new replica", extra={"replica": pod, "adapter": key})
         except Exception as exc:  # the pod serves it cold if asked: as without prewarm
-            self.failed += 1
             log.warning(
                 "prewarm failed; the replica loads the adapter on demand",
                 extra={"replica": pod, "adapter": key, "error": f"{type(exc).__name__}: {exc}"[:300]},
             )
-        finally:
-            self._warming.pop((pod, key), None)
-            if not any(k == key for _, k in self._warming):
-                self._handing_over.pop(key, None)
+        finally:  # a cancelled prewarm (shutdown) ends too, counted as failed
+            self._tasks.pop((pod, key), None)
+            self.state.finished(pod, key, ok)
