@@ -14,6 +14,7 @@ and discovery counts a pod only when its owner chain ends at the InferenceDeploy
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -207,6 +208,37 @@ def test_a_deployment_of_the_right_name_needs_the_inference_deployment_as_owner(
         wait_for(lambda: found.replicas(target), timeout=10.0, interval=0.02, what="the pod listed")
         (replica,) = found.replicas(target) or []
         assert not replica.ready and "not the InferenceDeployment orphan's" in replica.detail
+    finally:
+        found.stop()
+
+
+def test_an_owner_check_the_api_server_cannot_answer_is_asked_again(
+    apiserver: ApiServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Fail closed, but not for good: a Ready pod may send no further event to wait for."""
+    from loraplex.web.services.pod_owners import EngineOwners
+
+    answering = threading.Event()
+    read = EngineOwners._read
+    refused: list[int] = []
+
+    def busy_until_told(self: EngineOwners, *args: Any) -> Any:
+        if not answering.is_set():
+            refused.append(1)
+            raise TimeoutError("the API server is busy")
+        return read(self, *args)
+
+    monkeypatch.setattr(EngineOwners, "_read", busy_until_told)
+    target = f"kubernetes://{NS}/smol"
+    apiserver.pod("smol-0", "10.0.0.1", ready=True)
+    found = Discovery("on", watch_timeout_s=30.0, backoff_s=(0.05, 0.2))
+    found.start([target])  # followed from the start, as the app does for its deployments
+    try:
+        wait_for(lambda: len(refused) >= 3, timeout=10.0, interval=0.02, what="three checks refused")
+        (replica,) = found.replicas(target) or []
+        assert not replica.ready and "cannot be checked now" in replica.detail
+        answering.set()  # no new event for the pod: only the retry can let it in
+        wait_for(lambda: found.expand([target]) == ["http://10.0.0.1:8000"], timeout=10.0, what="retried")
     finally:
         found.stop()
 

@@ -8,7 +8,8 @@ InferenceDeployment `<name>` (operator/resources.py makes the Deployment so). Ea
 the object the API server has, by uid: a reference written into a pod's metadata by hand names an object
 that is not there, or one with another uid. A ReplicaSet found good is remembered by its uid (uids are
 never reused, and a ReplicaSet's owner does not change while its pods live); a refusal is asked again on
-the pod's next event.
+the pod's next event. When the API server cannot answer, OwnersUnknown says so: the caller keeps the pod
+out and asks again soon (a Ready pod may have no further event to wait for).
 """
 
 from __future__ import annotations
@@ -39,6 +40,10 @@ def controller_of(obj: Mapping[str, Any]) -> Mapping[str, Any] | None:
     return None
 
 
+class OwnersUnknown(Exception):
+    """The API server could not say who owns the pod now (unreachable, timed out, refused us)."""
+
+
 class EngineOwners:
     """Answers, for one InferenceDeployment, whether a pod is its own (`problem` is None) or why not."""
 
@@ -49,7 +54,8 @@ class EngineOwners:
         self._lock = threading.Lock()
 
     def problem(self, pod: Mapping[str, Any]) -> str | None:
-        """None when the pod's owner chain ends at this InferenceDeployment; else what breaks it."""
+        """None when the pod's owner chain ends at this InferenceDeployment; else what breaks it.
+        OwnersUnknown when the API server cannot tell now."""
         ref = controller_of(pod)
         if ref is None or ref.get("kind") != "ReplicaSet" or ref.get("apiVersion") != "apps/v1":
             return "not made by a ReplicaSet (no controller ownerReference to one)"
@@ -59,11 +65,11 @@ class EngineOwners:
                 return None
         try:
             why = self._replica_set_problem(str(ref.get("name") or ""), uid)
-        except Exception as exc:  # the API server is down or refuses us: fail closed, ask again next event
+        except Exception as exc:  # the API server is down or refuses us: the caller keeps the pod out
             log.warning(
                 "cannot check the owners of an engine pod of %s/%s: %s", self.namespace, self.name, exc
             )
-            return f"its owners cannot be checked now ({type(exc).__name__})"
+            raise OwnersUnknown(f"{type(exc).__name__}: {exc}"[:200]) from exc
         if why is None:
             with self._lock:
                 if len(self._owned_replica_sets) >= MAX_REMEMBERED:
