@@ -74,6 +74,8 @@ def test_least_loaded_member_is_picked() -> None:
     loads.pods[first] = 4  # saturated: the set grows to the next pod with room
     assert r.order(key, PODS)[0] == second
     assert r.replica_set(key, PODS) == (first, second)
+    for pod in PODS:  # the rest of the pool as busy as the set: no pressure to grow further
+        loads.pods[pod] = 3
     loads.pods[first], loads.pods[second] = 1, 3
     assert r.order(key, PODS)[:2] == [first, second]
     loads.pods[first], loads.pods[second] = 3, 1
@@ -114,12 +116,12 @@ def test_a_set_does_not_grow_into_a_busy_pod() -> None:
     key = "adapter:x"
     loads.keys[key] = 4
     for pod in PODS:
-        loads.pods[pod] = 3.5  # above room (0.75 of the member's 4) everywhere
+        loads.pods[pod] = 3.7  # less than spread (0.1 of saturation 4) below the member's 4 everywhere
     first, second = rendezvous_order(key, PODS)[:2]
     loads.pods[first] = 4
     r.order(key, PODS)
     assert len(r.replica_set(key, PODS)) == 1
-    loads.pods[second] = 3  # now it has room
+    loads.pods[second] = 3.5  # now it has room
     r.order(key, PODS)
     assert r.replica_set(key, PODS) == (first, second)
 
@@ -129,7 +131,7 @@ def test_a_quiet_adapter_on_a_busy_pod_waits_there() -> None:
     r, _, loads = router()
     key = "adapter:quiet"
     loads.pods[rendezvous_order(key, PODS)[0]] = 8
-    loads.keys[key] = 0.9  # below grow_share (0.25) of one member's saturation (4)
+    loads.keys[key] = 0.3  # below grow_share (0.1) of one member's saturation (4)
     assert r.order(key, PODS)[0] == rendezvous_order(key, PODS)[0]
     assert len(r.replica_set(key, PODS)) == 1
 
@@ -319,3 +321,70 @@ def test_sets_are_prefixes_of_the_hrw_order_when_nothing_is_busy() -> None:
     sets = _placed(PODS, [f"adapter:{i}" for i in range(100)])
     for key, members in sets.items():
         assert members == tuple(rendezvous_order(key, PODS)[: len(members)])
+
+
+def test_a_burst_spreads_before_its_pod_saturates() -> None:
+    # A member far busier than the pool's least-loaded pod (surge: a quarter of saturation) is crowded
+    # though under saturation: the set grows while the burst ramps, before a queue forms on its pod.
+    r, _, loads = router()
+    key = "adapter:burst"
+    first, second = rendezvous_order(key, PODS)[:2]
+    loads.keys[key] = 2
+    loads.pods[first] = 2  # half of saturation 4; every other pod idle
+    assert r.order(key, PODS)[0] == second
+    assert r.replica_set(key, PODS) == (first, second)
+    # The same member in a pool as busy as it is has no one to hand work to: it stays alone.
+    r2, _, loads2 = router()
+    loads2.keys[key] = 2
+    for pod in PODS:
+        loads2.pods[pod] = 1.5
+    loads2.pods[first] = 2
+    assert r2.order(key, PODS)[0] == first and r2.replica_set(key, PODS) == (first,)
+
+
+def test_a_set_that_shrank_does_not_grow_back_on_the_same_inputs() -> None:
+    r, clock, loads = router()
+    key = "adapter:warm"
+    first, second = rendezvous_order(key, PODS)[:2]
+    loads.keys[key], loads.pods[first] = 4, 4
+    r.order(key, PODS)
+    assert r.replica_set(key, PODS) == (first, second)
+    for pod in PODS:  # a calm pool; the adapter's demand fits in its first pod
+        loads.pods[pod] = 1.8
+    loads.keys[key], loads.pods[first] = 2, 2
+    for _ in range(4):
+        r.order(key, PODS)
+        clock.now += 5.0
+    assert r.replica_set(key, PODS) == (first,)
+    for _ in range(4):  # the inputs that shrank it do not grow it back
+        r.order(key, PODS)
+        clock.now += 5.0
+    assert r.replica_set(key, PODS) == (first,)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    saturation=st.floats(1, 100),
+    shares=st.tuples(st.floats(0.01, 1), st.floats(0.01, 1), st.floats(0.01, 1), st.floats(0.01, 2)),
+    demand=st.floats(0, 500),
+    fewer=st.integers(1, 16),
+    load=st.floats(0, 200),
+    floor=st.floats(0, 200),
+)
+def test_a_set_that_may_shrink_is_not_crowded_on_the_same_inputs(
+    saturation: float,
+    shares: tuple[float, float, float, float],
+    demand: float,
+    fewer: int,
+    load: float,
+    floor: float,
+) -> None:
+    # Hysteresis: whatever lets the last member go would not, on the same loads and demand, grow the set
+    # back (no flapping between the two every cool_s).
+    room, grow_share, spread, surge = shares
+    policy = PlacementPolicy(
+        saturation=saturation, room=room, grow_share=grow_share, spread=spread, surge=surge
+    )
+    floor = min(floor, load)
+    if policy.may_shrink(demand, fewer, load, floor):
+        assert not (policy.crowded(load, floor) and policy.may_grow(demand, fewer))

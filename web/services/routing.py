@@ -2,10 +2,12 @@
 
 Each adapter has a replica set: the first pods of its rendezvous (highest-random-weight) order that have
 room for its weights. It starts with one pod, so the adapter stays resident where it ran last (affinity);
-when every member is saturated and a pod outside the set has room, the set grows by the next such pod in
-that order; when the adapter's demand fits in one pod fewer for `cool_s`, the last member leaves; after
-`idle_s` without a request the adapter gives its place up. A request goes to the least-loaded member.
-Base-model requests go to the least-loaded pod. See docs/placement.md for the signals and their limits.
+when its least-loaded member is crowded (saturated, or far busier than the pool's least-loaded pod) and the
+adapter carries a real share of its members' work, the set grows by the next pod in that order that is
+clearly less loaded; when the adapter's demand has been low, or has fit in one pod fewer without pressure,
+for `cool_s`, the last member leaves (the thresholds apart, so a set does not flap); after `idle_s` without
+a request the adapter gives its place up. A request goes to the least-loaded member. Base-model requests go
+to the least-loaded pod. See docs/placement.md for the signals and their limits.
 
 Bookkeeping only, no I/O and no wall clock of its own: `Placement` and `Router` take the clock, the load
 signal and the pod capacities as inputs, so tests and `bench cluster` drive the same code the gateway runs.
@@ -162,18 +164,25 @@ class Combined:
 
 @dataclass(frozen=True)
 class PlacementPolicy:
-    """When a set grows and shrinks. Load is outstanding requests on a pod."""
+    """When a set grows and shrinks. Load is outstanding requests on a pod; the shares below are of
+    `saturation`, so one policy reads the same for any batch size."""
 
     # A pod with this many outstanding requests is saturated: a new one would wait behind a full batch.
     saturation: float = 48.0
-    # A pod outside the set has room when its load is at most `room` times its least-loaded member's:
-    # relative, so a set still spreads when every pod is busy but some far less than the set.
+    # A member this much busier than the pool's least-loaded pod is crowded even below saturation: a burst
+    # spreads while it ramps up, not once a queue has formed.
+    surge: float = 0.25
+    # A pod outside the set may join when it is at least this much less loaded than the least-loaded
+    # member: relative to that member, so a set still spreads when every pod is busy but some less so.
+    spread: float = 0.05
+    # A set grows only while the adapter has at least this share outstanding per member: a quiet adapter on
+    # a pod made busy by others waits there (its load elsewhere would serve one request); the busy ones
+    # spread, and the pod frees up.
+    grow_share: float = 0.1
+    # The last member leaves once, for `cool_s`, the adapter's demand per remaining member is at most half
+    # of `grow_share` (hysteresis: it takes twice the demand to grow back), or its demand fits in the
+    # remaining members at `room` of their saturation while they have room and are not crowded.
     room: float = 0.75
-    # A set grows only for an adapter with at least this share of its members' saturation outstanding:
-    # a quiet adapter on a pod made busy by others waits there (its load would be a cold load elsewhere
-    # for one request); the busy ones spread, and the pod frees up.
-    grow_share: float = 0.25
-    # How long an adapter's demand must fit in one pod fewer before the last member leaves.
     cool_s: float = 30.0
     # An adapter with no request for this long gives its place (and its pages) up.
     idle_s: float = 300.0
@@ -183,16 +192,35 @@ class PlacementPolicy:
     max_replicas: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("saturation", "cool_s", "idle_s"):
+        for name in ("saturation", "surge", "cool_s", "idle_s"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 raise ValueError(f"PlacementPolicy.{name} must be a finite number > 0, not {value!r}")
-        for name in ("room", "grow_share"):
+        for name in ("room", "grow_share", "spread"):
             value = getattr(self, name)
             if not (0 < value <= 1):
                 raise ValueError(f"PlacementPolicy.{name} must be in (0, 1], not {value!r}")
         if self.pod_adapter_bytes < 0 or self.max_replicas < 0:
             raise ValueError("PlacementPolicy.pod_adapter_bytes and max_replicas must be >= 0")
+
+    def crowded(self, load: float, floor: float) -> bool:
+        """A member with `load`, in a pool whose least-loaded pod has `floor`, would gain by a new member."""
+        return load >= self.saturation or load - floor >= self.surge * self.saturation
+
+    def may_grow(self, demand: float, members: int) -> bool:
+        return demand >= members * self.grow_share * self.saturation
+
+    def may_shrink(self, demand: float, fewer: int, fewer_load: float, floor: float) -> bool:
+        """The set could lose its last member: `fewer` members would remain, the least loaded at
+        `fewer_load`. Both thresholds sit below the growth's, so a set that shrank does not grow back at
+        once."""
+        if demand <= fewer * self.grow_share * self.saturation / 2:
+            return True
+        fits = demand <= fewer * self.room * self.saturation
+        calm = (
+            fewer_load < self.room * self.saturation and fewer_load - floor < self.surge * self.saturation / 2
+        )
+        return fits and calm
 
 
 @dataclass(frozen=True)
@@ -327,23 +355,19 @@ class Placement:
                 return pod
         return None
 
-    def observe(self, key: str, demand: float, load: Callable[[str], float]) -> None:
-        """The adapter's outstanding requests now: the last member leaves once the demand has fit in one
-        pod fewer, and those pods have had room, for `cool_s`."""
+    def observe(self, key: str, demand: float, load: Callable[[str], float], floor: float = 0.0) -> None:
+        """The adapter's outstanding requests now, and the pool's least load (`floor`): the last member
+        leaves once the policy's `may_shrink` has held for `cool_s`."""
         adapter = self._adapters.get(key)
         if adapter is None or len(adapter.members) < 2:
             return
         now = self.clock()
-        policy = self.policy
         fewer = adapter.members[:-1]
-        cool = demand <= len(fewer) * policy.saturation * policy.room and min(map(load, fewer)) < (
-            policy.room * policy.saturation
-        )
-        if not cool:
+        if not self.policy.may_shrink(demand, len(fewer), min(map(load, fewer)), floor):
             adapter.cool_since = None
         elif adapter.cool_since is None:
             adapter.cool_since = now
-        elif now - adapter.cool_since >= policy.cool_s:
+        elif now - adapter.cool_since >= self.policy.cool_s:
             self._shrink(key, adapter, len(fewer), "shrank")
             adapter.cool_since = now  # still cool: the next member may leave after another cool_s
 
@@ -469,7 +493,9 @@ class Router:
         if key is None:
             ranked = self._by_load(healthy)
         else:
-            ranked = self._adapter_order(placement, key, size, set(healthy))
+            # Pods being deleted that still serve: where their adapters may go while new pods warm.
+            leaving = set(self.discovery.leaving(endpoints)) if self.discovery is not None else set()
+            ranked = self._adapter_order(placement, key, size, set(healthy), leaving)
         chosen = set(ranked)
         resting = [p for p in placement.pods if p not in chosen]
         return ranked + sorted(resting, key=lambda p: self._down_until.get(p, 0.0))
@@ -479,27 +505,33 @@ class Router:
         shuffled = self._rng.sample(pods, len(pods))
         return sorted(shuffled, key=self.load.load)
 
-    def _adapter_order(self, placement: Placement, key: str, size: int, healthy: set[str]) -> list[str]:
+    def _adapter_order(
+        self,
+        placement: Placement,
+        key: str,
+        size: int,
+        healthy: set[str],
+        leaving: frozenset[str] | set[str] = frozenset(),
+    ) -> list[str]:
         members = placement.place(key, size)
         if not members:  # no pod can hold it: today's rendezvous, the engine evicts what it must
             return [p for p in rendezvous_order(key, placement.pods) if p in healthy]
-        saturation = self.policy.saturation
-        live = [m for m in members if m in healthy]
+        policy, load = self.policy, self.load.load
         # Ties go to the earlier member (HRW order), so a quiet adapter stays on its first pod.
-        live.sort(key=self.load.load)
+        live = sorted((m for m in members if m in healthy), key=load)
         demand = self.load.demand(key)
-        if (
-            live
-            and self.load.load(live[0]) >= saturation
-            and demand >= len(members) * saturation * self.policy.grow_share
-        ):
-            room = self.policy.room * self.load.load(live[0])
-            grown = placement.grow(key, lambda p: p in healthy and self.load.load(p) <= room)
+        # The pool's least-loaded pod: growth and shrinking are judged against it, not only in absolutes.
+        floor = min(map(load, healthy), default=0.0)
+        if live and policy.crowded(load(live[0]), floor) and policy.may_grow(demand, len(members)):
+            # A member still warming (prewarm) has no load yet, so it stands first here and the set waits
+            # for it before growing again.
+            room = load(live[0]) - policy.spread * policy.saturation
+            grown = placement.grow(key, lambda p: p in healthy and load(p) <= room)
             if grown is not None:
                 live.insert(0, grown)
-        placement.observe(key, demand, self.load.load)
+        placement.observe(key, demand, load, floor)
         if self.arrange is not None:
-            live = self.arrange(key, live, healthy)
+            live = self.arrange(key, live, healthy | leaving)
         return live + [p for p in placement.hrw_order(key) if p in healthy and p not in live]
 
     def begin(self, endpoint: str, key: str | None, tokens: int = 0) -> Work:
