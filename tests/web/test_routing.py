@@ -131,7 +131,7 @@ def test_a_quiet_adapter_on_a_busy_pod_waits_there() -> None:
     r, _, loads = router()
     key = "adapter:quiet"
     loads.pods[rendezvous_order(key, PODS)[0]] = 8
-    loads.keys[key] = 0.3  # below grow_share (0.1) of one member's saturation (4)
+    loads.keys[key] = 1  # one request: below per_member (grow_share of saturation, at least 2)
     assert r.order(key, PODS)[0] == rendezvous_order(key, PODS)[0]
     assert len(r.replica_set(key, PODS)) == 1
 

@@ -45,7 +45,7 @@ BASE_MODEL = "tiny-llama"
 ENGINES = 3
 QUIET = 20
 # A pod with this many of the gateway's requests outstanding is saturated. A set grows only for an adapter
-# with a quarter of that outstanding (PlacementPolicy.grow_share): 1.5 here, so a quiet adapter (one
+# with at least 2 requests outstanding per member (PlacementPolicy.per_member), so a quiet adapter (one
 # request at a time) never grows, while the flood (FLOOD_WORKERS at once) fills its first pod at once.
 SATURATION = 6
 FLOOD_WORKERS = 18

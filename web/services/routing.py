@@ -175,9 +175,9 @@ class PlacementPolicy:
     # A pod outside the set may join when it is at least this much less loaded than the least-loaded
     # member: relative to that member, so a set still spreads when every pod is busy but some less so.
     spread: float = 0.05
-    # A set grows only while the adapter has at least this share outstanding per member: a quiet adapter on
-    # a pod made busy by others waits there (its load elsewhere would serve one request); the busy ones
-    # spread, and the pod frees up.
+    # A set grows only while the adapter has at least this share outstanding per member (and 2 requests:
+    # `per_member`): a quiet adapter on a pod made busy by others waits there (its load elsewhere would
+    # serve one request); the busy ones spread, and the pod frees up.
     grow_share: float = 0.1
     # The last member leaves once, for `cool_s`, the adapter's demand per remaining member is at most half
     # of `grow_share` (hysteresis: it takes twice the demand to grow back), or its demand fits in the
@@ -207,14 +207,19 @@ class PlacementPolicy:
         """A member with `load`, in a pool whose least-loaded pod has `floor`, would gain by a new member."""
         return load >= self.saturation or load - floor >= self.surge * self.saturation
 
+    def per_member(self) -> float:
+        """Outstanding requests per member that justify the set: `grow_share` of saturation, and never
+        under 2, since an adapter with one request in flight per member has nothing to give a new one."""
+        return max(self.grow_share * self.saturation, 2.0)
+
     def may_grow(self, demand: float, members: int) -> bool:
-        return demand >= members * self.grow_share * self.saturation
+        return demand >= members * self.per_member()
 
     def may_shrink(self, demand: float, fewer: int, fewer_load: float, floor: float) -> bool:
         """The set could lose its last member: `fewer` members would remain, the least loaded at
         `fewer_load`. Both thresholds sit below the growth's, so a set that shrank does not grow back at
         once."""
-        if demand <= fewer * self.grow_share * self.saturation / 2:
+        if demand <= fewer * self.per_member() / 2:
             return True
         fits = demand <= fewer * self.room * self.saturation
         calm = (
