@@ -10,7 +10,9 @@ that shifts, bursts that flood one adapter, a share of base-model requests. Comp
   lora-affinity (1 active, 0.8 room for one more adapter, 0.6 waiting, else 0), queue (min-max
   normalised waiting queue), kv-cache-utilization (1 - usage); max score, ties at random;
 - dynamo-hrw: each adapter on its first `k` HRW pods, the least-loaded of them;
-- ours: `routing.Router` itself (placement with replication by demand), on the simulated clock.
+- ours: `routing.Router` itself (placement with replication by demand), on the simulated clock, with the
+  gateway's prewarm bookkeeping (`warming.Warming`): a pod a set grows to loads the adapter off the
+  request path and takes its traffic once loaded.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from loraplex.web.services import routing
+from loraplex.web.services import routing, warming
 
 from . import cluster_sim as sim
 
@@ -146,7 +148,9 @@ class LlmD(_Base):
 
 
 class Ours:
-    """The gateway's router, unchanged: `order()` picks, `begin()`/`done()` count outstanding work."""
+    """The gateway's router, unchanged: `order()` picks, `begin()`/`done()` count outstanding work; its
+    replica-set changes go to the gateway's prewarm bookkeeping, whose loads the simulated pods run (the
+    gateway's `Prewarmer` posts them to the engines instead)."""
 
     name = "ours"
 
@@ -157,13 +161,30 @@ class Ours:
         loop: sim.Loop,
         seed: int,
         policy: routing.PlacementPolicy,
+        prewarm: bool = True,
     ):
         self.endpoints = [_endpoint(p.index) for p in pods]
         self.index = {e: i for i, e in enumerate(self.endpoints)}
         self.sizes = [int(pods[0].sizes[a]) for a in range(len(ranks))]
+        self.pods, self.loop = pods, loop
+        self.adapter_of = {_key(a): a for a in range(len(ranks))}
         self.router = routing.Router(
             cooldown_s=10.0, policy=policy, clock=lambda: loop.now, rng=random.Random(f"ours-{seed}")
         )
+        self.warming = warming.Warming()
+        if prewarm:  # off: a grown member loads the adapter for its first request (tests compare)
+            self.router.subscribe(self._changed)
+            self.router.arrange = self.warming.arrange
+
+    def _changed(self, change: routing.Change) -> None:
+        adapter = self.adapter_of[change.key]
+        for pod in self.warming.on_change(change):
+            self.warming.started(pod, change.key)
+
+            def done(ok: bool, pod: str = pod) -> None:
+                self.warming.finished(pod, change.key, ok)
+
+            self.pods[self.index[pod]].prewarm(adapter, self.loop.now, done)
 
     def pick(self, request: sim.Request, now: float) -> int:
         key = None if request.adapter is None else _key(request.adapter)
@@ -219,14 +240,15 @@ def compare(
 
 def table(results: list[sim.Result]) -> str:
     lines = [
-        "| pods | policy | requests | goodput req/s | TTFT p50 s | TTFT p99 s | cold loads/s | GB moved "
-        "| pods used |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| pods | policy | requests | goodput req/s | TTFT p50 s | TTFT p99 s | cold loads/s | prewarms/s "
+        "| GB moved | pods used |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
         lines.append(
             f"| {r.pods} | {r.policy} | {r.requests} | {r.goodput:.1f} | {r.ttft_p50:.3f} | "
-            f"{r.ttft_p99:.2f} | {r.cold_loads_per_s:.2f} | {r.bytes_moved / 1e9:.1f} | {r.pods_used} |"
+            f"{r.ttft_p99:.2f} | {r.cold_loads_per_s:.2f} | {r.prewarms_per_s:.2f} | "
+            f"{r.bytes_moved / 1e9:.1f} | {r.pods_used} |"
         )
     return "\n".join(lines)
 

@@ -263,8 +263,10 @@ class Pod:
     in_use: Counter[int] = field(default_factory=Counter)  # adapter -> requests prefilling or running
     copy_bytes: float = 0.0  # loads finished since the last step, copied in the next
     busy: bool = False
-    loads: int = 0
-    loaded_bytes: float = 0.0
+    loads: int = 0  # cold loads: started for a request that waits on it
+    prewarms: int = 0  # loads asked for ahead of any request (off the request path)
+    loaded_bytes: float = 0.0  # both kinds
+    landing: dict[int, list[Callable[[bool], None]]] = field(default_factory=dict)  # prewarms waiting
     served: int = 0
     _n: int = 0
 
@@ -361,7 +363,19 @@ class Pod:
         kept.extend(self.waiting)
         self.waiting = kept
 
-    def _load(self, adapter: int, now: float) -> None:
+    def prewarm(self, adapter: int, now: float, done: Callable[[bool], None]) -> None:
+        """Load `adapter` before any request asks for it (the engine's POST /internal/prewarm): `done(True)`
+        once resident, `done(False)` when every resident adapter is in use and it cannot fit (the engine
+        then answers the host level; requests load it themselves later)."""
+        if adapter in self.resident:
+            self.resident.move_to_end(adapter)
+            done(True)
+        elif adapter in self.loading or self._load(adapter, now, prewarm=True):
+            self.landing.setdefault(adapter, []).append(done)
+        else:
+            done(False)
+
+    def _load(self, adapter: int, now: float, prewarm: bool = False) -> bool:
         size = self.sizes[adapter]
         for victim in list(self.resident):
             if self.resident_bytes + size <= self.model.adapter_pool_bytes:
@@ -370,10 +384,13 @@ class Pod:
                 del self.resident[victim]
                 self.resident_bytes -= self.sizes[victim]
         if self.resident_bytes + size > self.model.adapter_pool_bytes:
-            return  # every resident adapter is in use: retried at a later step
+            return False  # every resident adapter is in use: retried at a later step
         self.resident_bytes += size  # reserved now, so two loads cannot overcommit the pool
         self.loading[adapter] = now
-        self.loads += 1
+        if prewarm:
+            self.prewarms += 1
+        else:
+            self.loads += 1
         self.loaded_bytes += size
         ready = now + self.model.load_latency_s
         if adapter in self.host:
@@ -391,8 +408,11 @@ class Pod:
             self.resident[adapter] = None
             self.copy_bytes += size
             self._wake(ready)
+            for done in self.landing.pop(adapter, []):
+                done(True)
 
         self.events.at(ready, landed)
+        return True
 
 
 # -- the loop -------------------------------------------------------------------------------------------
@@ -433,9 +453,10 @@ class Result:
     goodput: float  # requests/s that finished with their first token within the SLO
     ttft_p50: float
     ttft_p99: float
-    cold_loads_per_s: float
-    bytes_moved: float
+    cold_loads_per_s: float  # loads a request waited on
+    bytes_moved: float  # adapter bytes copied into pools, prewarms included
     pods_used: int
+    prewarms_per_s: float = 0.0  # loads ahead of traffic, off the request path
     wall_s: float = 0.0
 
 
@@ -444,9 +465,12 @@ def simulate(
     workload: Workload,
     pods: int,
     make_policy: Callable[[list[Pod], list[int], Loop], Policy],
-    drain_s: float = 60.0,
+    drain_s: float = 600.0,
 ) -> Result:
-    """Run one policy over the workload's trace on `pods` pods; every request is accounted for."""
+    """Run one policy over the workload's trace on `pods` pods; every request is accounted for. After the
+    arrivals the pool runs until every request has finished, or for `drain_s` more at most: a policy that
+    leaves queues behind pays for them in TTFT, and the loads those requests need are counted (a shorter
+    drain hid the cold loads of the requests it never reached)."""
     rate = workload.load * pods * saturated_rps(model, workload)
     burst_rate = workload.burst_pods * saturated_rps(model, workload)
     requests = trace(workload, rate, burst_rate)
@@ -474,9 +498,12 @@ def simulate(
             pool[policy.pick(request, loop.now)].submit(request, loop.now)
 
         loop.at(request.arrival, arrive)
-    loop.run(workload.duration_s + drain_s)
+    end = workload.duration_s
+    loop.run(end)
+    while len(finished) < len(requests) and end < workload.duration_s + drain_s:
+        end = min(end + 10.0, workload.duration_s + drain_s)
+        loop.run(end)
     # Requests not served by the end of the drain count with their wait so far (censored, not dropped).
-    end = workload.duration_s + drain_s
     waits = sorted(ttfts + [end - r.arrival for r in requests if r.first_token == math.inf])
     good = sum(1 for r in finished if r.first_token - r.arrival <= model.ttft_slo_s)
     return Result(
@@ -490,6 +517,7 @@ def simulate(
         cold_loads_per_s=sum(p.loads for p in pool) / workload.duration_s,
         bytes_moved=sum(p.loaded_bytes for p in pool),
         pods_used=sum(1 for p in pool if p.served),
+        prewarms_per_s=sum(p.prewarms for p in pool) / workload.duration_s,
     )
 
 

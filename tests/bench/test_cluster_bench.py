@@ -1,6 +1,6 @@
 """`bench cluster` on a tiny pool: every request is accounted for, runs are reproducible, the router's
-outstanding counts return to zero, and on a trace that floods one adapter our placement beats the
-rendezvous routing it replaces."""
+outstanding counts return to zero, on a trace that floods one adapter our placement beats the rendezvous
+routing it replaces, and prewarm keeps the sets' growth off the request path."""
 
 from __future__ import annotations
 
@@ -58,3 +58,25 @@ def test_ours_beats_rendezvous_when_one_adapter_floods() -> None:
 def test_unknown_policy_is_refused() -> None:
     with pytest.raises(ValueError, match="unknown policy 'nope'"):
         cluster.policy_factory("nope", MODEL, 0)
+
+
+def test_prewarm_takes_the_loads_of_growth_off_the_request_path() -> None:
+    # One adapter floods a small pool: its set grows. With prewarm every cold load is an adapter's first
+    # request anywhere (nothing is evicted at this size), and each join is a prewarm; without, each join
+    # is a cold load a request waits on.
+    flood = replace(TINY, bursts=1, burst_pods=2.0, burst_s=6.0)
+    per_pod = sim.saturated_rps(MODEL, flood)
+    trace = sim.trace(flood, flood.load * 4 * per_pod, flood.burst_pods * per_pod)
+    adapters = len({r.adapter for r in trace if r.adapter is not None})
+    policy = cluster.placement_policy(MODEL)
+
+    def ours(prewarm: bool) -> sim.Result:
+        return sim.simulate(
+            MODEL, flood, 4, lambda pods, ranks, loop: cluster.Ours(pods, ranks, loop, 3, policy, prewarm)
+        )
+
+    warm, cold = ours(True), ours(False)
+    assert warm.prewarms_per_s > 0 and cold.prewarms_per_s == 0
+    assert warm.cold_loads_per_s * flood.duration_s == pytest.approx(adapters)
+    assert cold.cold_loads_per_s * flood.duration_s > adapters  # the joins, loaded on demand
+    assert warm.finished == warm.requests
