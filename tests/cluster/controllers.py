@@ -67,39 +67,38 @@ class Controllers:
         self.network = network
         self.proxy = proxy
         self._service_ports: dict[str, set[tuple[str, int]]] = {}
+        # Each Deployment's ReplicaSets by template hash, under the Deployment's uid: this loop makes every
+        # ReplicaSet, so it remembers them rather than listing them on every step.
+        self._replica_sets: dict[str, dict[str, dict[str, Any]]] = {}
 
     def step(self) -> None:
         pods = self.client.list("Pod")
-        replica_sets = self.client.list("ReplicaSet")
-        for deployment in self.client.list("Deployment"):
+        deployments = self.client.list("Deployment")
+        for deployment in deployments:
             with contextlib.suppress(ApiError):  # a conflicting write: the next step catches up
-                self.reconcile_deployment(deployment, pods, replica_sets)
+                self.reconcile_deployment(deployment, pods)
+        live = {d["metadata"]["uid"] for d in deployments}
+        self._replica_sets = {uid: sets for uid, sets in self._replica_sets.items() if uid in live}
         for job in self.client.list("Job"):
             with contextlib.suppress(ApiError):
                 self.reconcile_job(job, pods)
         self.reconcile_services(self.client.list("Service"), pods)
 
     # --- Deployments ----------------------------------------------------------------------------------
-    def reconcile_deployment(
-        self,
-        deployment: dict[str, Any],
-        all_pods: list[dict[str, Any]],
-        all_replica_sets: list[dict[str, Any]],
-    ) -> None:
+    def reconcile_deployment(self, deployment: dict[str, Any], all_pods: list[dict[str, Any]]) -> None:
         meta, spec = deployment["metadata"], deployment["spec"]
         namespace = meta.get("namespace", "default")
         template = spec["template"]
         current_hash = template_hash(template)
         replicas = int(spec.get("replicas", 1))
-        replica_sets = [r for r in all_replica_sets if owned_by(r, deployment)]
-        current = next((r for r in replica_sets if r["metadata"]["name"].endswith(f"-{current_hash}")), None)
+        known = self._replica_sets.setdefault(meta["uid"], {})
+        current = known.get(current_hash)
         if current is None:
-            current = self.client.create(self._replica_set(deployment, current_hash), namespace)
-            replica_sets.append(current)
+            current = known[current_hash] = self._ensure_replica_set(deployment, current_hash, namespace)
         pods = [
             p
             for p in all_pods
-            if any(owned_by(p, r) for r in replica_sets) and not p["metadata"].get("deletionTimestamp")
+            if any(owned_by(p, r) for r in known.values()) and not p["metadata"].get("deletionTimestamp")
         ]
         for pod in pods:
             if (pod.get("status") or {}).get("phase") in ("Failed", "Succeeded"):
@@ -132,6 +131,18 @@ class Controllers:
             available = "True" if ready >= replicas else "False"
             status["conditions"] = [{"type": "Available", "status": available}]
             self.client.patch("Deployment", meta["name"], {"status": status}, namespace, sub="status")
+
+    def _ensure_replica_set(
+        self, deployment: dict[str, Any], template_id: str, namespace: str
+    ) -> dict[str, Any]:
+        wanted = self._replica_set(deployment, template_id)
+        try:
+            return self.client.create(wanted, namespace)
+        except ApiError as error:  # made by an earlier step whose result was lost: read it back
+            found = self.client.get("ReplicaSet", wanted["metadata"]["name"], namespace)
+            if error.status != 409 or found is None or not owned_by(found, deployment):
+                raise
+            return found
 
     @staticmethod
     def _replica_set(deployment: dict[str, Any], template_id: str) -> dict[str, Any]:
