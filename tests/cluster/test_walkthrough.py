@@ -329,17 +329,23 @@ def test_a_pod_dying_mid_stream_gives_an_error_event_and_usage_is_still_recorded
     client = _tenant_client(platform, url)
     before = {p["metadata"]["name"]: platform.generated_tokens(p) for p in platform.ready_engines()}
     _ask(client)
-    (holder,) = _serving_pods(platform, before)
-    runtime = platform.cluster.kubelet.pods[f"{NAMESPACE}/{holder}"]
-    assert runtime.process is not None
+    wait_for(lambda: _serving_pods(platform, before), timeout=30, what="the question's tokens in the metrics")
+    # The pod to kill is the one streaming: placement may have moved the adapter since the question (the
+    # scale to 3 re-placed it, and its old pod served it while the new one warmed).
+    before = {p["metadata"]["name"]: platform.generated_tokens(p) for p in platform.ready_engines()}
     stream = client.chat.completions.create(
         model="sticky", messages=QUESTION, max_tokens=400, temperature=0, stream=True
     )
     received = []
+    holder = ""
     with pytest.raises(APIError) as raised:
         for chunk in stream:
             received.append(chunk)
             if len(received) == 3:  # streaming has begun: the engine process dies (a crash, no drain)
+                streaming = wait_for(lambda: _serving_pods(platform, before), timeout=30, what="its pod")
+                (holder,) = streaming
+                runtime = platform.cluster.kubelet.pods[f"{NAMESPACE}/{holder}"]
+                assert runtime.process is not None
                 os.killpg(runtime.process.pid, signal.SIGKILL)
     assert len(received) >= 3
     assert raised.value.message, "the error event should say what happened"
@@ -379,7 +385,16 @@ def test_a_model_uri_that_does_not_resolve_is_reported_in_the_status(platform: P
         return found if found and found["reason"] == "EngineFailing" else None
 
     try:
-        condition = wait_for(degraded, timeout=120, what="Degraded=True, EngineFailing")
+        try:
+            condition = wait_for(degraded, timeout=120, what="Degraded=True, EngineFailing")
+        except AssertionError as timed_out:  # say what the operator and the pod showed instead
+            idep = platform.cluster.client.get("InferenceDeployment", "broken", NAMESPACE) or {}
+            pods = [
+                (p["metadata"]["name"], (p.get("status") or {}).get("containerStatuses"))
+                for p in platform.cluster.client.list("Pod", NAMESPACE)
+                if p["metadata"]["name"].startswith("broken")
+            ]
+            raise AssertionError(f"{timed_out}; status: {idep.get('status')}; pods: {pods}") from None
         assert "no-such-model.gguf" in condition["message"], condition
         idep = platform.cluster.client.get("InferenceDeployment", "broken", NAMESPACE) or {}
         ready = next(c for c in idep["status"]["conditions"] if c["type"] == "Ready")
