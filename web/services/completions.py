@@ -14,6 +14,7 @@ The route (web/api/routes/gateway.py) and the console's playground both call it,
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -31,6 +32,7 @@ from ..db.models import AdapterStatus
 from ..db.session import Database
 from . import adapters, gateway, metering, quotas
 from .errors import QuotaExceeded
+from .failure_reason import public_reason
 from .in_flight import Busy, InFlight
 from .keys import Principal
 from .prewarm import Prewarmer
@@ -386,6 +388,9 @@ async def _engine_refused(call: metering.Call, status: int, answer: bytes, media
     if error is not None and error.code == wire.ADAPTER_FAILED and call.target.adapter_sha256:
         call.adapter_error = adapters.error_text(error.message)
         told = wire.ADAPTER_FAILED_STATUS
+        # The caller reads the reason as its adapter row keeps it: without the engine's names and ids.
+        error = dataclasses.replace(error, message=adapters.error_text(public_reason(error.message)))
+        answer, media = json.dumps(error.body()).encode(), "application/json"
     elif error is not None and error.code == wire.ADAPTER_UNAVAILABLE:
         told, retry_after = wire.ADAPTER_UNAVAILABLE_STATUS, RETRY_AFTER_S
     await call.finish(f"engine_{status}", 0, 0, True)

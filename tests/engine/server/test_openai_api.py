@@ -215,7 +215,7 @@ def test_openai_errors(server: Server) -> None:
     sdk = client(server)
     with pytest.raises(openai.BadRequestError) as several:
         sdk.chat.completions.create(model=BASE, messages=QUESTION, max_tokens=4, n=2)
-    assert "n=2" in several.value.message and several.value.param == "n"
+    assert "n must be 1, got 2" in several.value.message and several.value.param == "n"
     context = server.engine.max_model_len
     with pytest.raises(openai.BadRequestError) as too_many:
         sdk.completions.create(model=BASE, prompt="Hello", max_tokens=context)
