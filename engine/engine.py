@@ -29,6 +29,7 @@ from loraplex.adapters import AdapterManifest, BaseShape
 # adapter is at fault, refused until registered with other weights; ADAPTER_UNAVAILABLE: its store could not
 # be read, retry later; ENGINE_ERROR: the engine's own failure.
 from loraplex.wire import ADAPTER_FAILED, ADAPTER_UNAVAILABLE, ENGINE_ERROR
+from loraplex.wire.limits import LimitExceeded
 
 from .batch import DecodeBuckets
 from .config import EngineConfig
@@ -51,7 +52,6 @@ from .runner import ModelRunner
 from .sampler import StepSample, sample_step
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledChunk, Scheduler, StepPlan
-from .server.limits import LimitExceeded
 from .stats import AdapterFacts, AdapterInfo, AdapterReport, EngineStats
 from .stopping import StopChecker, next_delta
 from .warmup import warm_up

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .server import limits
+from loraplex.wire import limits
 
 # Where the engine's range differs from the wire's: top_k -1 (no limit) is mapped to 0 before a
 # SamplingParams is made.
@@ -26,7 +26,7 @@ class SamplingParams:
     logprobs: int | None = None  # None: none; k: the sampled token's log-probability and the k most likely
 
     def __post_init__(self) -> None:
-        """Every number in the range of engine/server/limits.py (the bounds the HTTP API checks first), so
+        """Every number in the range of wire/limits.py (the bounds the HTTP API checks first), so
         no caller of the offline API hands the sampler a value it would overflow on: a LimitExceeded
         (a ValueError) naming the field otherwise. The engine checks top_k and logprobs against its
         vocabulary when the request is added."""

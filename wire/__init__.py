@@ -9,7 +9,9 @@ Both sides import these names and neither spells one of them itself, so the cont
   fault a failure is: `adapter_failed` (422: the gateway marks the adapter failed), `adapter_unavailable`
   (503: the store could not be read, nothing is marked), `engine_error`, and the rest below;
 - the engine's internal adapter endpoints: their paths and bodies (`ADAPTERS_PATH`, `adapter_path`,
-  `AdapterRegistration`, `AdapterEntry`).
+  `AdapterRegistration`, `AdapterEntry`);
+- what one request may ask (wire/limits.py: the caps both hops check) and each tenant's share of a queue
+  (wire/shares.py).
 
 Plain constants, dataclasses and pure functions: no torch, no pydantic, no web framework, so the control
 plane imports it without the engine's dependencies (tests/test_wire.py proves it).
@@ -66,7 +68,7 @@ TOO_MANY_IN_FLIGHT = "too_many_requests_in_flight"
 MODEL_NOT_FOUND = "model_not_found"
 ADAPTER_NOT_READY = "adapter_not_ready"  # the caller's adapter is still being uploaded (409)
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # OpenAI's code: prompt and completion past the context
-LIMIT_EXCEEDED = "limit_exceeded"  # a cap of engine/server/limits.py
+LIMIT_EXCEEDED = "limit_exceeded"  # a cap of wire/limits.py
 REQUEST_TOO_LARGE = "request_too_large"  # the body (413), or more tokens than a quota could ever allow
 RATE_LIMIT_EXCEEDED = "rate_limit_exceeded"  # a tenant's quota
 INVALID_API_KEY = "invalid_api_key"

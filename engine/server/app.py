@@ -15,7 +15,7 @@ Without a token configured, the tenant and adapter headers and the adapter-manag
 refused, and /v1/ serves the base model and the adapters registered at start (`loraplex serve` alone).
 
 Hostile input: every request body is capped (limits.MAX_REQUEST_BODY_BYTES, 413 unread), and every field
-whose cost grows with its size is capped in protocol.py by the numbers of limits.py (400 naming it).
+whose cost grows with its size is capped in protocol.py by the numbers of wire/limits.py (400 naming it).
 """
 
 from __future__ import annotations
@@ -37,8 +37,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from loraplex import wire
 from loraplex.adapters import AdapterError, AdapterManifest
+from loraplex.wire import limits
 
-from . import limits, protocol
+from . import protocol
 from .async_engine import (
     AdapterFailed,
     AdapterFetchFailed,
@@ -479,7 +480,7 @@ def _install_error_handlers(app: FastAPI) -> None:
         first = errors[0] if errors else {"msg": "invalid request", "loc": ()}
         context = first.get("ctx")
         cause = context.get("error") if isinstance(context, dict) else None
-        if isinstance(cause, limits.LimitExceeded):  # a cap of limits.py: its own sentence and field
+        if isinstance(cause, limits.LimitExceeded):  # a cap of wire/limits.py: its own sentence and field
             return JSONResponse(
                 wire.error_body(str(cause), wire.INVALID_REQUEST, wire.LIMIT_EXCEEDED, cause.param), 400
             )
@@ -675,7 +676,7 @@ def _add_adapter_routes(app: FastAPI, state: ServerState) -> None:
 
 
 def limit_code(exc: ValueError) -> str | None:
-    """The error code of a refused value: limit_exceeded for a bound of limits.py, none for the rest."""
+    """The error code of a refused value: limit_exceeded for a bound of wire/limits.py, none for the rest."""
     return wire.LIMIT_EXCEEDED if isinstance(exc, limits.LimitExceeded) else None
 
 

@@ -18,8 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from loraplex import wire
 from loraplex.engine.sampling_params import SamplingParams
-
-from . import limits
+from loraplex.wire import limits
 
 if TYPE_CHECKING:
     from loraplex.engine.request import TokenLogprob
@@ -82,7 +81,7 @@ class _GenerationRequest(BaseModel):
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
 
-    # The caps of limits.py, checked on the raw JSON before pydantic converts (and so pays for) every
+    # The caps of wire/limits.py, checked on the raw JSON before pydantic converts (and so pays for) every
     # element; a LimitExceeded reaches the client as a 400 naming the field (see app.py).
     @field_validator(
         "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "n", "presence_penalty",
@@ -118,7 +117,7 @@ class _GenerationRequest(BaseModel):
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
-        """What the engine is asked for: this body's fields (checked against limits.py already) in the
+        """What the engine is asked for: this body's fields (checked against wire/limits.py already) in the
         engine's terms, OpenAI's defaults for those not given. ValueError (a LimitExceeded naming the
         field) if they break SamplingParams' own checks."""
         return SamplingParams(

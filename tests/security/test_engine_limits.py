@@ -1,4 +1,4 @@
-"""The engine's request caps (engine/server/limits.py), each attacked against the real engine server.
+"""The engine's request caps (wire/limits.py), each attacked against the real engine server.
 
 A tenant-controlled field whose cost grows with its size is bounded, and a request over a bound is
 refused before any work with a 400 naming the field (413 for a body over the size cap, refused unread);
@@ -19,8 +19,8 @@ from urllib.parse import urlparse
 import httpx
 import pytest
 
-from loraplex.engine.server import limits
 from loraplex.engine.server.app import BodySizeLimit
+from loraplex.wire import limits
 from tests.engine.server.conftest import BASE, INTERNAL, TOKEN, Server, running_server
 
 QUESTION = [{"role": "user", "content": "Say hi."}]
@@ -59,7 +59,7 @@ def prompt_tokens_counted(server: Server) -> float:
 def test_the_limits_module_needs_nothing_the_gateway_lacks() -> None:
     """The control plane imports it: no torch, no pydantic, no web framework behind it."""
     code = (
-        "import sys; import loraplex.engine.server.limits as l; "
+        "import sys; import loraplex.wire.limits as l; "
         "heavy = {'torch', 'pydantic', 'fastapi', 'starlette'} & set(sys.modules); "
         "assert not heavy, heavy; print(l.MAX_STOP_SEQUENCES)"
     )

@@ -7,7 +7,7 @@ outside the fault isolation, so the error escaped the step and the server failed
 every tenant: another tenant's stream ended mid-way with an `engine_error` quoting the attacker's error.
 
 Two defences, each tested on its own:
-- every numeric field has one range in engine/server/limits.py, checked by the gateway, the engine's
+- every numeric field has one range in wire/limits.py, checked by the gateway, the engine's
   request schema and SamplingParams (properties over arbitrary JSON values, and over HTTP against a
   running engine whose sampler records what reaches it);
 - a row that fails to sample ends that request alone, on the plain, pipelined and retry paths, shown with
@@ -40,10 +40,11 @@ import loraplex.engine.engine as engine_module
 from loraplex.engine import EngineConfig, LLMEngine, SamplingParams
 from loraplex.engine.engine import FailedOutput
 from loraplex.engine.request import RequestOutput
-from loraplex.engine.server import limits, protocol
+from loraplex.engine.server import protocol
 from loraplex.engine.server.app import create_app
 from loraplex.engine.server.settings import ServerSettings
 from loraplex.web.services import gateway
+from loraplex.wire import limits
 from tests.engine.server.conftest import INTERNAL, TOKEN, Server, serving
 from tests.web.conftest import SHAPE, Api, app_factory, sqlite_template, sqlite_url  # noqa: F401
 from tests.web.servers import serve

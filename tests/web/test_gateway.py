@@ -16,10 +16,10 @@ from fastapi.testclient import TestClient
 from sqlalchemy import select
 
 from loraplex.adapters import fetch_local
-from loraplex.engine.server import limits
 from loraplex.web.db.models import Deployment, UsageRecord
 from loraplex.web.services.gateway import estimate_tokens
 from loraplex.web.services.routing import rendezvous_order
+from loraplex.wire import limits
 
 from ..security.engine_stub import Engine
 from .conftest import ADMIN, SHAPE, Api, free_port, loose, recorded_usage, upload
@@ -272,7 +272,7 @@ def test_unreachable_deployment_is_503_and_recorded(pg_url: str, app_factory: Ca
             assert [r.status for r in session.scalars(select(UsageRecord))] == ["no_replica"]
 
 
-# -- caps on what a request body may hold (engine/server/limits.py, checked before anything is spent) ---
+# -- caps on what a request body may hold (wire/limits.py, checked before anything is spent) ---
 
 
 def _caps_client(client: TestClient) -> dict[str, str]:

@@ -13,7 +13,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from loraplex import wire
-from loraplex.engine.server import limits
+from loraplex.wire import limits
 
 from ..db.models import Adapter, AdapterStatus, Deployment
 from .adapters import find_adapter
@@ -112,7 +112,7 @@ def upstream_headers(
 
 
 # -- what a tenant's request body may hold --------------------------------------------------------------
-# The caps are the engine's own (engine/server/limits.py, torch-free), so a tenant meets the same limit at
+# The caps are the engine's own (wire/limits.py, torch-free), so a tenant meets the same limit at
 # the gateway as at the engine, and the gateway refuses before it spends a quota reservation on a request
 # the engine would refuse anyway.
 
@@ -167,7 +167,7 @@ def completion_limit(body: dict[str, Any], endpoint: str) -> int | None:
 
 
 def check_caps(body: dict[str, Any], endpoint: str) -> None:
-    """Every cap of engine/server/limits.py on the fields this body holds; BadRequest naming the field."""
+    """Every cap of wire/limits.py on the fields this body holds; BadRequest naming the field."""
     try:
         limits.check_stop(body.get("stop"))
         bias = body.get("logit_bias")

@@ -8,9 +8,10 @@ import pytest
 from pydantic import ValidationError
 
 from loraplex.engine.request import TokenLogprob
-from loraplex.engine.server import limits, protocol
+from loraplex.engine.server import protocol
 from loraplex.engine.server.metrics import ServerMetrics, TenantLabels, opaque_tenant_id
 from loraplex.engine.server.settings import ServerSettings, parse_adapter_arg
+from loraplex.wire import limits
 
 
 def test_settings_come_from_the_environment_and_flags_win(monkeypatch: pytest.MonkeyPatch) -> None:
