@@ -1,8 +1,15 @@
-"""The API emulator of the cluster in a box: tests/operator's strict, Helm-capable emulator plus Namespaces.
+"""The API emulator of the cluster in a box: tests/operator's strict, Helm-capable emulator plus Namespaces
+and graceful Pod deletion.
 
 kmock parses `/api/v1/namespaces` as "namespace of nothing" and cannot serve it; kopf lists and watches
 Namespaces and `helm install --create-namespace` creates one. This answers those paths itself: a Namespace
 exists once created, or once any object lives in it (as namespaces are implicit in the emulator's store).
+
+A Pod is deleted as a real API server deletes one: the DELETE only sets `deletionTimestamp` and
+`deletionGracePeriodSeconds` (the pod keeps serving while its preStop hook runs, and the endpoints see it
+terminating), and the object goes once the kubelet has stopped it. The emulator knows deletion-in-progress
+only through finalizers, so the graceful DELETE adds the kubelet's own (`KUBELET_FINALIZER`), which the
+kubelet removes when the pod's process is gone; a DELETE with `gracePeriodSeconds: 0` removes it at once.
 """
 
 from __future__ import annotations
@@ -19,6 +26,10 @@ import kmock
 from kmock._internal import enums, rendering
 
 from tests.operator.test_chart import HelmableApiServer
+
+# Held by a pod being deleted until the kubelet has run its preStop hook and stopped its process.
+KUBELET_FINALIZER = "harness.loraplex.dev/kubelet"
+DEFAULT_GRACE_SECONDS = 30  # Kubernetes' terminationGracePeriodSeconds default
 
 NAMESPACES = re.compile(r"^/api/v1/namespaces(?:/([a-z0-9-]{1,63}))?/?$")
 
@@ -57,7 +68,30 @@ class ClusterApiServer(HelmableApiServer):
             applying = "apply-patch" in request.headers.get("Content-Type", "")
             if missing and not applying:
                 raise kmock.KubernetesError(404, "NotFound", f"{request.resource} {request.name} not found")
+        if request.action == enums.action.DELETE and request.name and _is_pod(request.resource):
+            self._delete_gracefully(request)
         return await super()._handle(request)
+
+    def _delete_gracefully(self, request: rendering.Request) -> None:
+        """Turn a Pod DELETE into a graceful one (see the module's doc), or a forced one with grace 0."""
+        key = (request.resource, request.namespace, request.name)
+        if key not in self.objects or self.objects[key].deleted:
+            return  # the emulator answers 404
+        stored = self.objects[key]
+        meta = stored.raw.get("metadata") or {}
+        finalizers = list(meta.get("finalizers") or [])
+        grace = _grace_seconds(request, stored.raw)
+        if grace == 0:
+            if KUBELET_FINALIZER in finalizers:  # forced: the kubelet's hold goes, the object with it
+                finalizers.remove(KUBELET_FINALIZER)
+                stored.patch({"metadata": {"finalizers": finalizers}})
+                if meta.get("deletionTimestamp") and not finalizers:
+                    stored.patch({"metadata": {"deletionTimestamp": None}})  # kmock deletes it anew below
+            return
+        if meta.get("deletionTimestamp") or KUBELET_FINALIZER in finalizers:
+            return  # already terminating: a second DELETE changes nothing
+        stored.patch({"metadata": {"finalizers": [*finalizers, KUBELET_FINALIZER],
+                                   "deletionGracePeriodSeconds": grace}})  # fmt: skip
 
     def _namespace(self, name: str) -> dict[str, Any]:
         now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
@@ -108,6 +142,19 @@ class ClusterApiServer(HelmableApiServer):
         except (ConnectionError, asyncio.CancelledError):
             pass
         return response
+
+
+def _is_pod(resource: Any) -> bool:
+    return getattr(resource, "plural", "") == "pods" and not getattr(resource, "group", "")
+
+
+def _grace_seconds(request: rendering.Request, pod: dict[str, Any]) -> int:
+    """DeleteOptions' gracePeriodSeconds (body or query), else the pod's terminationGracePeriodSeconds."""
+    options = request.data if isinstance(request.data, dict) else {}
+    given = options.get("gracePeriodSeconds", request.params.get("gracePeriodSeconds"))
+    if given is None:
+        given = (pod.get("spec") or {}).get("terminationGracePeriodSeconds", DEFAULT_GRACE_SECONDS)
+    return max(0, int(given))
 
 
 def _status(code: int, reason: str, message: str) -> aiohttp.web.Response:

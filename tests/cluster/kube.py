@@ -155,9 +155,15 @@ class Client:
         path = self.path(kind, namespace or self.namespace, name, sub)
         return self._request("PATCH", path, patch, "application/merge-patch+json")
 
-    def delete(self, kind: str, name: str, namespace: str | None = None) -> bool:
+    def delete(
+        self, kind: str, name: str, namespace: str | None = None, grace_seconds: int | None = None
+    ) -> bool:
+        """Delete; `grace_seconds` overrides a pod's terminationGracePeriodSeconds (0: at once)."""
+        path = self.path(kind, namespace or self.namespace, name)
+        if grace_seconds is not None:
+            path += f"?gracePeriodSeconds={grace_seconds}"
         try:
-            self._request("DELETE", self.path(kind, namespace or self.namespace, name))
+            self._request("DELETE", path)
         except ApiError as error:
             if error.status == 404:
                 return False

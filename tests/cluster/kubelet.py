@@ -11,7 +11,10 @@ Per pod, one thread does what a kubelet and a container runtime do for one conta
 - startup, readiness and liveness HTTP probes to podIP:port, restarts with back-off under restartPolicy,
   and the pod's status (phase, podIP, Ready, containerStatuses with restartCount and lastState.terminated
   whose message is the termination log, or the log's tail under FallbackToLogsOnError).
-Deleting a Pod stops its process group (SIGTERM, SIGKILL after the grace period) and removes its namespace.
+Deleting a Pod is graceful, as a kubelet does it (the API server keeps the object meanwhile, apiserver.py):
+the container's preStop hook (exec) runs while the pod still serves and its probes still count, then its
+process group gets SIGTERM (SIGKILL after the grace period), its namespace goes, and the kubelet lets the
+API server remove the object (it drops `KUBELET_FINALIZER`).
 
 What it does not do, so the test does not pretend it does: images (every pod runs this checkout's code),
 securityContext (processes run as the test's user), resource limits, and more than one container per pod.
@@ -39,6 +42,7 @@ from typing import Any
 
 import httpx
 
+from tests.cluster.apiserver import KUBELET_FINALIZER
 from tests.cluster.kube import ApiError, Client, secret_data
 from tests.cluster.network import Network
 
@@ -140,6 +144,8 @@ class PodRuntime:
     started: bool = False
     finished: dict[str, Any] | None = None  # restartPolicy Never/OnFailure: the final termination
     thread: threading.Thread | None = None
+    terminating: threading.Thread | None = None  # the graceful deletion under way (`terminate`)
+    gone: bool = False  # stopped and released: the kubelet forgets it
 
     @property
     def key(self) -> str:
@@ -522,6 +528,49 @@ class PodRuntime:
     def stop(self) -> None:
         self.stop_requested.set()
 
+    def terminate(self, pod: dict[str, Any]) -> None:
+        """Begin the pod's graceful deletion in a thread of its own (the pod thread keeps probing)."""
+        self.terminating = threading.Thread(
+            target=self._terminate, args=(pod,), name=f"terminate-{self.key}", daemon=True
+        )
+        self.terminating.start()
+
+    def _terminate(self, pod: dict[str, Any]) -> None:
+        meta = pod["metadata"]
+        grace = float(
+            meta.get("deletionGracePeriodSeconds") or pod["spec"].get("terminationGracePeriodSeconds") or 30
+        )
+        container = (pod["spec"].get("containers") or [{}])[0]
+        hook = ((container.get("lifecycle") or {}).get("preStop") or {}).get("exec") or {}
+        process = self.process
+        if hook.get("command") and self.netns and process is not None and process.poll() is None:
+            started = time.monotonic()
+            try:
+                subprocess.run(
+                    ["ip", "netns", "exec", self.netns, *hook["command"]],
+                    env=self.kubelet.base_env(pod),
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                    timeout=grace,
+                    check=False,
+                )
+            except subprocess.TimeoutExpired:
+                logger.warning("pod %s: preStop hook outlived the grace period (%.0f s)", self.key, grace)
+            logger.info("pod %s: preStop hook took %.1f s", self.key, time.monotonic() - started)
+        self.stop()  # the pod thread sends SIGTERM, waits, kills and removes the namespace
+        if self.thread is not None:
+            self.thread.join(timeout=self.kubelet.grace_seconds + 15)
+        self.release(Client(self.kubelet.client.server), pod)
+        self.gone = True
+
+    def release(self, client: Client, pod: dict[str, Any]) -> None:
+        """Drop the kubelet's finalizer: the API server removes the deleted pod's object."""
+        finalizers = [f for f in pod["metadata"].get("finalizers") or [] if f != KUBELET_FINALIZER]
+        with contextlib.suppress(ApiError):  # already gone (a forced delete)
+            client.patch("Pod", self.name, {"metadata": {"finalizers": finalizers}}, self.namespace)
+        client.close()
+
 
 class Kubelet:
     """Runs every Pod of the API server (one node); `step()` starts new pods and stops deleted ones."""
@@ -614,6 +663,7 @@ class Kubelet:
             meta = pod["metadata"]
             key = f"{meta.get('namespace', 'default')}/{meta['name']}"
             if meta.get("deletionTimestamp"):
+                self._delete(key, pod, live)
                 continue
             live[key] = meta.get("uid", "")
             runtime = self.pods.get(key)
@@ -627,6 +677,23 @@ class Kubelet:
             runtime.thread.start()
         for key in [k for k, runtime in self.pods.items() if live.get(k) != runtime.uid]:
             self._stop(key)
+
+    def _delete(self, key: str, pod: dict[str, Any], live: dict[str, str]) -> None:
+        """A pod being deleted: terminate it gracefully once; it stays ours until its thread is done."""
+        meta = pod["metadata"]
+        runtime = self.pods.get(key)
+        if runtime is None or runtime.uid != meta.get("uid"):
+            if KUBELET_FINALIZER in (meta.get("finalizers") or []):  # never ran here: nothing to stop
+                PodRuntime(self, meta.get("namespace", "default"), meta["name"], meta.get("uid", "")).release(
+                    Client(self.client.server), pod
+                )
+            return
+        if runtime.gone:
+            self.pods.pop(key)
+            return
+        live[key] = runtime.uid
+        if runtime.terminating is None:
+            runtime.terminate(pod)
 
     def _stop(self, key: str) -> None:
         runtime = self.pods.pop(key)

@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -212,6 +213,41 @@ def test_deleted_pod_is_stopped_and_replaced(cluster: ClusterInABox) -> None:
         )
     )
     assert status
+
+
+def test_a_deleted_pod_serves_through_its_pre_stop_hook_then_goes(cluster: ClusterInABox) -> None:
+    """Graceful deletion, as the engines' scale-in hand-over relies on (operator/resources.py preStop)."""
+    hook = {"preStop": {"exec": {"command": ["sleep", "3"]}}}
+    cluster.client.create(server_deployment("lame-duck", replicas=1, lifecycle=hook))
+    (pod,) = ready_pods(cluster, "lame-duck", 1)
+    name, ip = pod["metadata"]["name"], pod["status"]["podIP"]
+    process = cluster.kubelet.pods[f"{NS}/{name}"].process
+    assert process is not None
+    deleted_at = time.monotonic()
+    cluster.client.delete("Pod", name)
+    # During the hook the object stays, marked as being deleted, and the pod still runs, answers and is
+    # Ready by its probe (the control plane's discovery calls such a pod "leaving": it still serves).
+    during = cluster.client.get("Pod", name, NS)
+    assert during is not None and during["metadata"].get("deletionTimestamp")
+    assert during["metadata"]["deletionGracePeriodSeconds"] == 30
+    time.sleep(1.5)
+    assert process.poll() is None
+    assert httpx.get(f"http://{ip}:8000/", timeout=5).status_code == 200
+    during = cluster.client.get("Pod", name, NS) or {}
+    conditions = (during.get("status") or {}).get("conditions") or []
+    assert {"type": "Ready", "status": "True"}.items() <= next(
+        c for c in conditions if c["type"] == "Ready"
+    ).items()
+    wait_for(lambda: cluster.client.get("Pod", name, NS) is None, timeout=20, what="the pod object to go")
+    assert time.monotonic() - deleted_at >= 3.0, "the object went before the preStop hook ended"
+    assert process.poll() is not None
+    # Its replacement is deleted with no grace: gone at once, hook or not.
+    (replacement,) = ready_pods(cluster, "lame-duck", 1)
+    forced = time.monotonic()
+    cluster.client.delete("Pod", replacement["metadata"]["name"], grace_seconds=0)
+    assert cluster.client.get("Pod", replacement["metadata"]["name"], NS) is None
+    assert time.monotonic() - forced < 3.0
+    cluster.client.delete("Deployment", "lame-duck")
 
 
 def test_crashing_container_restarts_with_its_termination_message(cluster: ClusterInABox) -> None:
