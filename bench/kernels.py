@@ -30,7 +30,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
@@ -225,6 +225,7 @@ def lora_case(
     bandwidth: float,
 ) -> CaseResult:
     from loraplex.engine.kernels import lora_expand, lora_shrink, reference
+    from loraplex.engine.kernels.lora_meta import LoRAKernelMeta
 
     hidden, head_dim = int(shapes["hidden"]), int(shapes["head_dim"])  # type: ignore[call-overload]
     rank_choices: tuple[int, ...] = shapes["ranks"]  # type: ignore[assignment]
@@ -244,40 +245,33 @@ def lora_case(
     r_max = max(ranks)
     s = setup
 
+    meta = LoRAKernelMeta(
+        s.a_starts[None],  # one layer
+        s.b_starts[None],
+        s.b_cols[None],
+        s.b_widths[None],
+        s.slot_start,
+        s.slot_rank,
+        max_rank=r_max,
+        token_slot=slots if mode == "decode" else None,
+        seg_starts=None if mode == "decode" else seg_starts,
+        seg_slot=None if mode == "decode" else seg_slot,
+        max_seg_len=per_seq,
+    )
+
     def kernel(y: torch.Tensor) -> None:
         if mode == "decode":
-            shrunk = lora_shrink.lora_shrink_tokens(
-                x, s.pool_rows, s.a_starts, s.slot_start, s.slot_rank, slots, r_max
-            )
-            lora_expand.lora_expand_tokens(
-                y, shrunk, s.pool_rows, s.b_starts, s.b_cols, s.b_widths, s.slot_start, s.slot_rank, slots
-            )
+            shrunk = lora_shrink.lora_shrink_tokens(x, s.pool_rows, meta, 0)
+            lora_expand.lora_expand_tokens(y, shrunk, s.pool_rows, meta, 0)
         else:
-            shrunk = lora_shrink.lora_shrink_segments(
-                x, s.pool_rows, s.a_starts, s.slot_start, s.slot_rank, seg_starts, seg_slot, r_max, per_seq
-            )
-            lora_expand.lora_expand_segments(
-                y,
-                shrunk,
-                s.pool_rows,
-                s.b_starts,
-                s.b_cols,
-                s.b_widths,
-                s.slot_start,
-                s.slot_rank,
-                seg_starts,
-                seg_slot,
-                per_seq,
-            )
+            shrunk = lora_shrink.lora_shrink_segments(x, s.pool_rows, meta, 0)
+            lora_expand.lora_expand_segments(y, shrunk, s.pool_rows, meta, 0)
 
     # The oracle: the torch reference of the same shrink and expand.
     expected = y0.clone()
-    shrunk_ref = reference.lora_shrink_tokens(
-        x, s.pool_rows, s.a_starts, s.slot_start, s.slot_rank, slots, r_max
-    )
-    reference.lora_expand_tokens(
-        expected, shrunk_ref, s.pool_rows, s.b_starts, s.b_cols, s.b_widths, s.slot_start, s.slot_rank, slots
-    )
+    tokens_meta = replace(meta, token_slot=slots)
+    shrunk_ref = reference.lora_shrink_tokens(x, s.pool_rows, tokens_meta, 0)
+    reference.lora_expand_tokens(expected, shrunk_ref, s.pool_rows, tokens_meta, 0)
     actual = y0.clone()
     kernel(actual)
     assert_near(actual, expected, dtype)  # the delta is about as large as y0: an error in it shows

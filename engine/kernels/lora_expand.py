@@ -12,7 +12,9 @@ walks its adapter's rank in BLOCK_R steps, whatever it is.
 - tokens (decode, BGMV-style): a program takes one token and BLOCK_N columns.
 
 Rows of tokens without an adapter (or whose adapter has rank 0 in this group) are not read or written.
-Semantics, shapes and the plain-torch oracle: `reference.lora_expand_tokens` / `lora_expand_segments`.
+The tables and token maps come in one `LoRAKernelMeta` (lora_meta.py); the pieces both forms share are
+in lora_tiles.py. Semantics, shapes and the plain-torch oracle: `reference.lora_expand_tokens` /
+`lora_expand_segments`.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ import triton
 import triton.language as tl
 
 from .dot import dot_precision, interpreting
+from .lora_meta import LoRAKernelMeta
+from .lora_tiles import add_into, b_tile
 
 # m_blocks and stride_sm (the step's widest rank) change from step to step: specializing on their values
 # (== 1, divisible by 16) would compile a variant per value met. The step's metadata are views at any
@@ -85,13 +89,19 @@ def _expand_segments_kernel(
             mask=token_ok[:, None] & row_ok[None, :],
             other=0.0,
         )  # [BLOCK_M, BLOCK_R]
-        b_row = tl.load(b_starts_ptr + first_row + rows, mask=row_ok, other=0)
-        # Known alignment lets a B row's tile load as 128-bit vectors instead of 16-bit scalars.
-        b_col = tl.multiple_of(tl.load(b_cols_ptr + first_row + rows, mask=row_ok, other=0), COL_ALIGN)
-        b_width = tl.multiple_of(tl.load(b_widths_ptr + first_row + rows, mask=row_ok, other=0), COL_ALIGN)
-        offset = cols[None, :] - b_col[:, None]  # [BLOCK_R, BLOCK_N]: column inside the row's module
-        inside = (offset >= 0) & (offset < b_width[:, None]) & col_ok[None, :]
-        b = tl.load(pool_ptr + b_row.to(tl.int64)[:, None] * HEAD_DIM + offset, mask=inside, other=0.0)
+        b = b_tile(
+            pool_ptr,
+            b_starts_ptr,
+            b_cols_ptr,
+            b_widths_ptr,
+            first_row,
+            rows,
+            row_ok,
+            cols,
+            col_ok,
+            HEAD_DIM,
+            COL_ALIGN,
+        )  # [BLOCK_R, BLOCK_N]
         # The shrunk values enter the dot in the weights' dtype (bf16 tensor cores), summed in float32.
         if UPCAST:
             acc += tl.dot(s.to(b.dtype).to(tl.float32), b.to(tl.float32), input_precision=PRECISION)
@@ -99,9 +109,7 @@ def _expand_segments_kernel(
             acc += tl.dot(s.to(b.dtype), b, input_precision=PRECISION)
 
     y = y_ptr + tokens64[:, None] * stride_ym + cols[None, :] * stride_yn
-    mask = token_ok[:, None] & col_ok[None, :]
-    old = tl.load(y, mask=mask, other=0.0)
-    tl.store(y, (old.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=mask)
+    add_into(y, acc, token_ok[:, None] & col_ok[None, :])
 
 
 @triton.jit(do_not_specialize=["stride_sm"], do_not_specialize_on_alignment=_STEP_METADATA)
@@ -143,19 +151,21 @@ def _expand_tokens_kernel(
         rows = r0 + tl.arange(0, BLOCK_R)
         row_ok = rows < rank
         s = tl.load(shrunk_ptr + token64 * stride_sm + rows, mask=row_ok, other=0.0)
-        b_row = tl.load(b_starts_ptr + first_row + rows, mask=row_ok, other=0)
-        # Known alignment lets a B row's tile load as 128-bit vectors instead of 16-bit scalars.
-        b_col = tl.multiple_of(tl.load(b_cols_ptr + first_row + rows, mask=row_ok, other=0), COL_ALIGN)
-        b_width = tl.multiple_of(tl.load(b_widths_ptr + first_row + rows, mask=row_ok, other=0), COL_ALIGN)
-        offset = cols[None, :] - b_col[:, None]
-        inside = (offset >= 0) & (offset < b_width[:, None]) & col_ok[None, :]
-        b = tl.load(pool_ptr + b_row.to(tl.int64)[:, None] * HEAD_DIM + offset, mask=inside, other=0.0)
+        b = b_tile(
+            pool_ptr,
+            b_starts_ptr,
+            b_cols_ptr,
+            b_widths_ptr,
+            first_row,
+            rows,
+            row_ok,
+            cols,
+            col_ok,
+            HEAD_DIM,
+            COL_ALIGN,
+        )  # [BLOCK_R, BLOCK_N]
         acc += s.to(tl.float32)[:, None] * b.to(tl.float32)
-    delta = tl.sum(acc, axis=0)
-
-    y = y_ptr + token64 * stride_ym + cols * stride_yn
-    old = tl.load(y, mask=col_ok, other=0.0)
-    tl.store(y, (old.to(tl.float32) + delta).to(y_ptr.dtype.element_ty), mask=col_ok)
+    add_into(y_ptr + token64 * stride_ym + cols * stride_yn, tl.sum(acc, axis=0), col_ok)
 
 
 def _col_align(head_dim: int) -> int:
@@ -172,34 +182,17 @@ def _check(y: torch.Tensor, shrunk: torch.Tensor, pool_rows: torch.Tensor) -> No
 
 
 def lora_expand_segments(
-    y: torch.Tensor,
-    shrunk: torch.Tensor,
-    pool_rows: torch.Tensor,
-    b_starts: torch.Tensor,
-    b_cols: torch.Tensor,
-    b_widths: torch.Tensor,
-    slot_start: torch.Tensor,
-    slot_rank: torch.Tensor,
-    seg_starts: torch.Tensor,
-    seg_slot: torch.Tensor,
-    max_seg_len: int | None = None,
-    *,
-    col_align: int | None = None,
+    y: torch.Tensor, shrunk: torch.Tensor, pool_rows: torch.Tensor, meta: LoRAKernelMeta, layer: int
 ) -> None:
-    """Expand, in place, for tokens grouped in contiguous segments of one adapter each.
+    """Expand, in place, for the rows of y grouped in meta's segments, with layer `layer`'s B rows.
 
     Shapes: y [T, out]; shrunk [T, R] (float32 from lora_shrink_*); pool_rows [N, head_dim] contiguous;
-    b_starts, b_cols, b_widths [C] int (cols and widths multiples of head_dim); slot_start, slot_rank [S]
-    int; seg_starts [G + 1] int; seg_slot
-    [G] int (-1: no adapter). max_seg_len, the longest segment, sizes the grid (pass it to spare a
-    device sync). col_align: what every b_col and b_width is a multiple of, if not the engine's
-    gcd(head_dim, 16) (a wrong value gives wrong results on a GPU).
+    meta as in lora_meta.py, with seg_starts and seg_slot.
     """
     _check(y, shrunk, pool_rows)
+    seg_starts, seg_slot, max_seg_len = meta.segments()
     num_tokens, out_width = y.shape
     num_segments = len(seg_slot)
-    if max_seg_len is None:
-        max_seg_len = int((seg_starts[1:] - seg_starts[:-1]).max()) if num_segments else 0
     if shrunk.shape[1] == 0 or num_segments == 0 or max_seg_len == 0 or num_tokens == 0:
         return
     block_m = 16 if max_seg_len <= 16 else 32 if max_seg_len <= 32 else 64
@@ -211,11 +204,11 @@ def lora_expand_segments(
         y,
         shrunk,
         pool_rows,
-        b_starts,
-        b_cols,
-        b_widths,
-        slot_start,
-        slot_rank,
+        meta.b_starts[layer],
+        meta.b_cols[layer],
+        meta.b_widths[layer],
+        meta.slot_start,
+        meta.slot_rank,
         seg_starts,
         seg_slot,
         out_width,
@@ -224,7 +217,7 @@ def lora_expand_segments(
         shrunk.stride(0),
         m_blocks,
         HEAD_DIM=pool_rows.shape[1],
-        COL_ALIGN=col_align or _col_align(pool_rows.shape[1]),
+        COL_ALIGN=meta.col_align or _col_align(pool_rows.shape[1]),
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_R=block_r,
@@ -234,25 +227,16 @@ def lora_expand_segments(
 
 
 def lora_expand_tokens(
-    y: torch.Tensor,
-    shrunk: torch.Tensor,
-    pool_rows: torch.Tensor,
-    b_starts: torch.Tensor,
-    b_cols: torch.Tensor,
-    b_widths: torch.Tensor,
-    slot_start: torch.Tensor,
-    slot_rank: torch.Tensor,
-    token_slot: torch.Tensor,
-    *,
-    col_align: int | None = None,
+    y: torch.Tensor, shrunk: torch.Tensor, pool_rows: torch.Tensor, meta: LoRAKernelMeta, layer: int
 ) -> None:
-    """Expand, in place, with every token's adapter slot given per token.
+    """Expand, in place, with every row of y's adapter slot given per token (meta.token_slot), with
+    layer `layer`'s B rows.
 
     Shapes: y [T, out]; shrunk [T, R] (float32 from lora_shrink_*); pool_rows [N, head_dim] contiguous;
-    b_starts, b_cols, b_widths [C] int (cols and widths multiples of head_dim); slot_start, slot_rank [S]
-    int; token_slot [T] int (-1: none). col_align: as in lora_expand_segments.
+    meta as in lora_meta.py, token_slot [T].
     """
     _check(y, shrunk, pool_rows)
+    token_slot = meta.tokens()
     num_tokens, out_width = y.shape
     if shrunk.shape[1] == 0 or num_tokens == 0:
         return
@@ -263,18 +247,18 @@ def lora_expand_tokens(
         y,
         shrunk,
         pool_rows,
-        b_starts,
-        b_cols,
-        b_widths,
-        slot_start,
-        slot_rank,
+        meta.b_starts[layer],
+        meta.b_cols[layer],
+        meta.b_widths[layer],
+        meta.slot_start,
+        meta.slot_rank,
         token_slot,
         out_width,
         y.stride(0),
         y.stride(1),
         shrunk.stride(0),
         HEAD_DIM=pool_rows.shape[1],
-        COL_ALIGN=col_align or _col_align(pool_rows.shape[1]),
+        COL_ALIGN=meta.col_align or _col_align(pool_rows.shape[1]),
         BLOCK_N=block_n,
         BLOCK_R=block_r,
     )

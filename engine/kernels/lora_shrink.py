@@ -11,7 +11,9 @@ no padding to a common rank. Two forms of the token -> adapter map:
 
 Both walk `in` in BLOCK_K steps and may split it over SPLIT_K programs that add their partial sums
 atomically, which gives a GPU enough programs when there are few tokens and ranks are small.
-Semantics, shapes and the plain-torch oracle: `reference.lora_shrink_tokens` / `lora_shrink_segments`.
+The tables and token maps come in one `LoRAKernelMeta` (lora_meta.py); the pieces both forms share are
+in lora_tiles.py. Semantics, shapes and the plain-torch oracle: `reference.lora_shrink_tokens` /
+`lora_shrink_segments`.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import triton.language as tl
 
 from .dot import dot_precision, interpreting
 from .gpu import gpu_target
+from .lora_meta import LoRAKernelMeta
+from .lora_tiles import a_row_offsets, k_range, rank_of_slot, write_shrunk
 
 # SPLIT_K, m_blocks and the rank (stride_om, out_rank) vary from step to step: specializing on their
 # values (== 1, divisible by 16) would compile a variant per value met, each stalling the step that first
@@ -71,20 +75,16 @@ def _shrink_segments_kernel(
     out = out_ptr + tokens.to(tl.int64)[:, None] * stride_om + rows[None, :]
     mask = token_ok[:, None] & (rows < out_rank)[None, :]
     slot = tl.load(seg_slot_ptr + segment)
-    rank = tl.where(slot < 0, 0, tl.load(slot_rank_ptr + tl.maximum(slot, 0)))
+    rank = rank_of_slot(slot, slot_rank_ptr)
     if r_block * BLOCK_R >= rank:  # no adapter, or none of its rows here: zeros (the wrapper did not fill)
         if SPLIT_K == 1:
             tl.store(out, tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32), mask=mask)
         return
     row_ok = rows < rank
-    a_row = tl.load(a_starts_ptr + tl.load(slot_start_ptr + slot) + rows, mask=row_ok, other=0)
-    a_base = a_row.to(tl.int64) * HEAD_DIM  # [BLOCK_R] flat offset of each A row
+    a_base = a_row_offsets(a_starts_ptr, slot_start_ptr, slot, rows, row_ok, HEAD_DIM)  # [BLOCK_R]
     x_base = tokens.to(tl.int64) * stride_xm
 
-    # Splits cover whole BLOCK_K steps, so every split's blocks line up with the unsplit loop's.
-    k_per_split = tl.cdiv(tl.cdiv(in_width, SPLIT_K), BLOCK_K) * BLOCK_K
-    k_begin = split * k_per_split
-    k_end = tl.minimum(k_begin + k_per_split, in_width)
+    k_begin, k_end = k_range(in_width, split, SPLIT_K, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     for k0 in range(k_begin, k_end, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
@@ -102,10 +102,7 @@ def _shrink_segments_kernel(
             acc += tl.dot(x, a.to(x.dtype), input_precision=PRECISION)
 
     # Rows past the adapter's rank hold zeros (their A rows were masked to 0).
-    if SPLIT_K == 1:
-        tl.store(out, acc, mask=mask)
-    else:
-        tl.atomic_add(out, acc, mask=mask)
+    write_shrunk(out, acc, mask, SPLIT_K)
 
 
 @triton.jit(
@@ -136,19 +133,16 @@ def _shrink_tokens_kernel(
     out = out_ptr + token.to(tl.int64) * stride_om + rows
     out_ok = rows < out_rank
     slot = tl.load(token_slot_ptr + token)
-    rank = tl.where(slot < 0, 0, tl.load(slot_rank_ptr + tl.maximum(slot, 0)))
+    rank = rank_of_slot(slot, slot_rank_ptr)
     if r_block * BLOCK_R >= rank:  # no adapter, or none of its rows here: zeros (the wrapper did not fill)
         if SPLIT_K == 1:
             tl.store(out, tl.zeros((BLOCK_R,), dtype=tl.float32), mask=out_ok)
         return
     row_ok = rows < rank
-    a_row = tl.load(a_starts_ptr + tl.load(slot_start_ptr + slot) + rows, mask=row_ok, other=0)
-    a_base = a_row.to(tl.int64) * HEAD_DIM
+    a_base = a_row_offsets(a_starts_ptr, slot_start_ptr, slot, rows, row_ok, HEAD_DIM)  # [BLOCK_R]
     x_base = token.to(tl.int64) * stride_xm
 
-    k_per_split = tl.cdiv(tl.cdiv(in_width, SPLIT_K), BLOCK_K) * BLOCK_K
-    k_begin = split * k_per_split
-    k_end = tl.minimum(k_begin + k_per_split, in_width)
+    k_begin, k_end = k_range(in_width, split, SPLIT_K, BLOCK_K)
     # Products are summed along K once at the end rather than reduced every step.
     acc = tl.zeros((BLOCK_R, BLOCK_K), dtype=tl.float32)
     for k0 in range(k_begin, k_end, BLOCK_K):
@@ -157,18 +151,7 @@ def _shrink_tokens_kernel(
         x = tl.load(x_ptr + x_base + ks * stride_xk, mask=k_ok, other=0.0)
         a = tl.load(pool_ptr + a_base[:, None] + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         acc += a.to(tl.float32) * x.to(tl.float32)[None, :]
-    total = tl.sum(acc, axis=1)
-
-    if SPLIT_K == 1:
-        tl.store(out, total, mask=out_ok)
-    else:
-        tl.atomic_add(out, total, mask=out_ok)
-
-
-def _max_rank(slot_rank: torch.Tensor, max_rank: int | None) -> int:
-    if max_rank is not None:
-        return max_rank
-    return int(slot_rank.max()) if len(slot_rank) else 0
+    write_shrunk(out, tl.sum(acc, axis=1), out_ok, SPLIT_K)
 
 
 def _split_k(programs: int, k_steps: int, device: torch.device) -> int:
@@ -196,32 +179,20 @@ def _check(x: torch.Tensor, pool_rows: torch.Tensor) -> None:
 
 
 def lora_shrink_segments(
-    x: torch.Tensor,
-    pool_rows: torch.Tensor,
-    a_starts: torch.Tensor,
-    slot_start: torch.Tensor,
-    slot_rank: torch.Tensor,
-    seg_starts: torch.Tensor,
-    seg_slot: torch.Tensor,
-    max_rank: int | None = None,
-    max_seg_len: int | None = None,
-    *,
-    split_k: int | None = None,
+    x: torch.Tensor, pool_rows: torch.Tensor, meta: LoRAKernelMeta, layer: int, *, split_k: int | None = None
 ) -> torch.Tensor:
-    """Shrink for tokens grouped in contiguous segments of one adapter each. Returns float32 [T, R]
-    (rows of tokens outside every segment are unspecified: the engine's segments cover all rows).
+    """Shrink for the rows of x grouped in meta's segments, with layer `layer`'s A rows. Returns float32
+    [T, R], R = meta.rank() (rows of tokens outside every segment are unspecified: the engine's
+    segments cover all rows).
 
-    Shapes: x [T, in]; pool_rows [N, head_dim] contiguous; a_starts [C] int; slot_start, slot_rank [S]
-    int; seg_starts [G + 1] int; seg_slot [G] int (-1: no adapter). max_rank = max(slot_rank) and
-    max_seg_len = the longest segment size the grid; pass them to spare a device sync. split_k
-    overrides the K split (tests; None picks one).
+    Shapes: x [T, in]; pool_rows [N, head_dim] contiguous; meta as in lora_meta.py, with seg_starts
+    and seg_slot. split_k overrides the K split (tests; None picks one).
     """
     _check(x, pool_rows)
-    rank = _max_rank(slot_rank, max_rank)
+    rank = meta.rank()
+    seg_starts, seg_slot, max_seg_len = meta.segments()
     num_tokens, in_width = x.shape
     num_segments = len(seg_slot)
-    if max_seg_len is None:
-        max_seg_len = int((seg_starts[1:] - seg_starts[:-1]).max()) if num_segments else 0
     if rank == 0 or num_segments == 0 or max_seg_len == 0 or num_tokens == 0:
         return torch.zeros(num_tokens, rank, dtype=torch.float32, device=x.device)
     # Long segments reuse each A tile over more tokens; short ones waste fewer masked rows.
@@ -242,9 +213,9 @@ def lora_shrink_segments(
         x,
         pool_rows,
         out,
-        a_starts,
-        slot_start,
-        slot_rank,
+        meta.a_starts[layer],
+        meta.slot_start,
+        meta.slot_rank,
         seg_starts,
         seg_slot,
         in_width,
@@ -265,23 +236,16 @@ def lora_shrink_segments(
 
 
 def lora_shrink_tokens(
-    x: torch.Tensor,
-    pool_rows: torch.Tensor,
-    a_starts: torch.Tensor,
-    slot_start: torch.Tensor,
-    slot_rank: torch.Tensor,
-    token_slot: torch.Tensor,
-    max_rank: int | None = None,
-    *,
-    split_k: int | None = None,
+    x: torch.Tensor, pool_rows: torch.Tensor, meta: LoRAKernelMeta, layer: int, *, split_k: int | None = None
 ) -> torch.Tensor:
-    """Shrink with every token's adapter slot given per token. Returns float32 [T, R].
+    """Shrink with every row of x's adapter slot given per token (meta.token_slot), with layer
+    `layer`'s A rows. Returns float32 [T, R], R = meta.rank().
 
-    Shapes: x [T, in]; pool_rows [N, head_dim] contiguous; a_starts [C] int; slot_start, slot_rank [S]
-    int; token_slot [T] int (-1: no adapter). max_rank = max(slot_rank) spares a device sync.
+    Shapes: x [T, in]; pool_rows [N, head_dim] contiguous; meta as in lora_meta.py, token_slot [T].
     """
     _check(x, pool_rows)
-    rank = _max_rank(slot_rank, max_rank)
+    rank = meta.rank()
+    token_slot = meta.tokens()
     num_tokens, in_width = x.shape
     if rank == 0 or num_tokens == 0:
         return torch.zeros(num_tokens, rank, dtype=torch.float32, device=x.device)
@@ -295,9 +259,9 @@ def lora_shrink_tokens(
         x,
         pool_rows,
         out,
-        a_starts,
-        slot_start,
-        slot_rank,
+        meta.a_starts[layer],
+        meta.slot_start,
+        meta.slot_rank,
         token_slot,
         in_width,
         x.stride(0),

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 if TYPE_CHECKING:  # the fields the kernels read of engine/model/quant.py's format (no Triton at run time)
+    from .lora_meta import LoRAKernelMeta
     from .quant_matmul import QuantizedWeight
 
 
@@ -163,7 +164,8 @@ def lora_shrink_expand(
 # differ). Stacked row c has an A row of width `in` that starts at pool row a_starts[c], and a scaled B^T
 # row of width b_widths[c] that starts at pool row b_starts[c] and lands in columns b_cols[c] onward of
 # the group's output (each module of the group has its own column block; width 0 marks a padding row).
-# Tokens name their slot per token (token_slot, -1: no adapter) or per contiguous segment.
+# Tokens name their slot per token (token_slot, -1: no adapter) or per contiguous segment. All of it
+# comes in one LoRAKernelMeta (lora_meta.py), its tables indexed by layer, as the kernels take it.
 
 
 def segment_token_slots(seg_starts: torch.Tensor, seg_slot: torch.Tensor, num_tokens: int) -> torch.Tensor:
@@ -195,30 +197,16 @@ def _token_rows(
     return torch.where(valid, first[:, None] + r[None, :], 0), valid
 
 
-def _max_rank(slot_rank: torch.Tensor, max_rank: int | None) -> int:
-    if max_rank is not None:
-        return max_rank
-    return int(slot_rank.max()) if len(slot_rank) else 0
-
-
-def lora_shrink_tokens(
+def _shrink(
     x: torch.Tensor,
     pool_rows: torch.Tensor,
     a_starts: torch.Tensor,
     slot_start: torch.Tensor,
     slot_rank: torch.Tensor,
     token_slot: torch.Tensor,
-    max_rank: int | None = None,
+    rank: int,
 ) -> torch.Tensor:
-    """Every token's x times its adapter's stacked A rows.
-
-    Shapes: x [T, in]; pool_rows [N, head_dim] (contiguous); a_starts [C] int; slot_start, slot_rank
-    [S] int; token_slot [T] int (-1: no adapter); max_rank, if given, is max(slot_rank) (saves a sync).
-    Returns float32 [T, R], R = max_rank:
-    out[t, r] = sum_k x[t, k] * pool[a_starts[slot_start[u] + r] * head_dim + k] for r < slot_rank[u],
-    u = token_slot[t]; 0 elsewhere (tokens without an adapter, columns past the adapter's rank).
-    """
-    rank = _max_rank(slot_rank, max_rank)
+    """lora_shrink_tokens on one layer's a_starts [C]."""
     in_width, head_dim = x.shape[1], pool_rows.shape[1]
     if rank == 0 or len(a_starts) == 0:
         return torch.zeros(x.shape[0], rank, dtype=torch.float32, device=x.device)
@@ -229,46 +217,43 @@ def lora_shrink_tokens(
     return torch.where(valid, every.gather(1, rows), 0.0)
 
 
-def lora_shrink_segments(
-    x: torch.Tensor,
-    pool_rows: torch.Tensor,
-    a_starts: torch.Tensor,
-    slot_start: torch.Tensor,
-    slot_rank: torch.Tensor,
-    seg_starts: torch.Tensor,
-    seg_slot: torch.Tensor,
-    max_rank: int | None = None,
-    max_seg_len: int | None = None,
+def lora_shrink_tokens(
+    x: torch.Tensor, pool_rows: torch.Tensor, meta: LoRAKernelMeta, layer: int
 ) -> torch.Tensor:
-    """lora_shrink_tokens with the slots given per segment (seg_starts [G + 1], seg_slot [G]).
+    """Every token's x times its adapter's stacked A rows of layer `layer`.
 
-    max_seg_len (the longest segment) is a launch hint of the kernel; unused here.
+    Shapes: x [T, in]; pool_rows [N, head_dim] (contiguous); meta (lora_meta.py) with token_slot [T]
+    (-1: no adapter). Returns float32 [T, R], R = meta.rank(); with a = meta.a_starts[layer]:
+    out[t, r] = sum_k x[t, k] * pool[a[slot_start[u] + r] * head_dim + k] for r < slot_rank[u],
+    u = token_slot[t]; 0 elsewhere (tokens without an adapter, columns past the adapter's rank).
     """
+    return _shrink(
+        x, pool_rows, meta.a_starts[layer], meta.slot_start, meta.slot_rank, meta.tokens(), meta.rank()
+    )
+
+
+def lora_shrink_segments(
+    x: torch.Tensor, pool_rows: torch.Tensor, meta: LoRAKernelMeta, layer: int
+) -> torch.Tensor:
+    """lora_shrink_tokens with the slots given per segment (meta.seg_starts [G + 1], seg_slot [G])."""
+    seg_starts, seg_slot, _ = meta.segments()  # the longest segment is a launch hint of the kernel
     token_slot = segment_token_slots(seg_starts, seg_slot, x.shape[0])
-    return lora_shrink_tokens(x, pool_rows, a_starts, slot_start, slot_rank, token_slot, max_rank)
+    return _shrink(
+        x, pool_rows, meta.a_starts[layer], meta.slot_start, meta.slot_rank, token_slot, meta.rank()
+    )
 
 
-def lora_expand_tokens(
+def _expand(
     y: torch.Tensor,
     shrunk: torch.Tensor,
     pool_rows: torch.Tensor,
-    b_starts: torch.Tensor,
-    b_cols: torch.Tensor,
-    b_widths: torch.Tensor,
-    slot_start: torch.Tensor,
-    slot_rank: torch.Tensor,
+    meta: LoRAKernelMeta,
+    layer: int,
     token_slot: torch.Tensor,
 ) -> None:
-    """Add every token's shrunk activations times its adapter's scaled B^T rows to y, in place.
-
-    Shapes: y [T, out]; shrunk [T, R] (lora_shrink_*'s output); pool_rows [N, head_dim] (contiguous);
-    b_starts, b_cols, b_widths [C] int; slot_start, slot_rank [S] int; token_slot [T] int (-1: none).
-    Semantics: y[t, n] += sum_{r < rank_u} shrunk[t, r] * pool[b_starts[c] * head_dim + n - b_cols[c]]
-    over c = slot_start[u] + r with b_cols[c] <= n < b_cols[c] + b_widths[c], u = token_slot[t],
-    summed in float32 and cast to y.dtype. Rows of tokens without an adapter, or whose adapter has
-    rank 0 in this group, are left untouched.
-    """
+    """lora_expand_tokens with the slots given as token_slot [T]."""
     rank = shrunk.shape[1]
+    b_starts, b_cols, b_widths = meta.b_starts[layer], meta.b_cols[layer], meta.b_widths[layer]
     if rank == 0 or len(b_starts) == 0:
         return
     head_dim = pool_rows.shape[1]
@@ -277,32 +262,36 @@ def lora_expand_tokens(
     inside = (offset >= 0) & (offset < b_widths.long()[:, None])
     index = b_starts.long()[:, None] * head_dim + offset.clamp(min=0)
     b = torch.where(inside, pool_rows.reshape(-1)[index.clamp(max=pool_rows.numel() - 1)].float(), 0.0)
-    rows, valid = _token_rows(slot_start, slot_rank, token_slot, rank)
+    rows, valid = _token_rows(meta.slot_start, meta.slot_rank, token_slot, rank)
     coefficients = torch.zeros(y.shape[0], len(b_starts), dtype=torch.float32, device=y.device)
     coefficients.scatter_add_(1, rows, torch.where(valid, shrunk.float(), 0.0))  # [T, C]
     updated = (y.float() + coefficients @ b).to(y.dtype)
     y.copy_(torch.where(valid.any(dim=1, keepdim=True), updated, y))
 
 
-def lora_expand_segments(
-    y: torch.Tensor,
-    shrunk: torch.Tensor,
-    pool_rows: torch.Tensor,
-    b_starts: torch.Tensor,
-    b_cols: torch.Tensor,
-    b_widths: torch.Tensor,
-    slot_start: torch.Tensor,
-    slot_rank: torch.Tensor,
-    seg_starts: torch.Tensor,
-    seg_slot: torch.Tensor,
-    max_seg_len: int | None = None,
+def lora_expand_tokens(
+    y: torch.Tensor, shrunk: torch.Tensor, pool_rows: torch.Tensor, meta: LoRAKernelMeta, layer: int
 ) -> None:
-    """lora_expand_tokens with the slots given per segment (seg_starts [G + 1], seg_slot [G]).
+    """Add every token's shrunk activations times its adapter's scaled B^T rows of layer `layer` to y,
+    in place.
 
-    max_seg_len (the longest segment) is a launch hint of the kernel; unused here.
+    Shapes: y [T, out]; shrunk [T, R] (lora_shrink_*'s output); pool_rows [N, head_dim] (contiguous);
+    meta (lora_meta.py) with token_slot [T] (-1: none). With b_starts, b_cols, b_widths the layer's
+    rows of meta's tables:
+    Semantics: y[t, n] += sum_{r < rank_u} shrunk[t, r] * pool[b_starts[c] * head_dim + n - b_cols[c]]
+    over c = slot_start[u] + r with b_cols[c] <= n < b_cols[c] + b_widths[c], u = token_slot[t],
+    summed in float32 and cast to y.dtype. Rows of tokens without an adapter, or whose adapter has
+    rank 0 in this group, are left untouched.
     """
-    token_slot = segment_token_slots(seg_starts, seg_slot, y.shape[0])
-    lora_expand_tokens(y, shrunk, pool_rows, b_starts, b_cols, b_widths, slot_start, slot_rank, token_slot)
+    _expand(y, shrunk, pool_rows, meta, layer, meta.tokens())
+
+
+def lora_expand_segments(
+    y: torch.Tensor, shrunk: torch.Tensor, pool_rows: torch.Tensor, meta: LoRAKernelMeta, layer: int
+) -> None:
+    """lora_expand_tokens with the slots given per segment (meta.seg_starts [G + 1], seg_slot [G])."""
+    seg_starts, seg_slot, _ = meta.segments()  # the longest segment is a launch hint of the kernel
+    _expand(y, shrunk, pool_rows, meta, layer, segment_token_slots(seg_starts, seg_slot, y.shape[0]))
 
 
 def prefill_attention_varlen(

@@ -24,6 +24,7 @@ from loraplex.adapters import BaseShape
 
 from ..batch import LoraBatch, LoraSegments, StepBatch
 from ..kernels import reference
+from ..kernels.lora_meta import LoRAKernelMeta
 from .layout import GROUPS
 from .tables import AdapterRows, LoraTables, ResidentTables
 
@@ -182,7 +183,7 @@ def _group_plan(lora: LoraBatch, stack: Stack) -> GroupPlan:
 
 class KernelLoraStep:
     """Calls the Triton shrink and expand kernels: per token on the decode rows [0, D), per segment on
-    the prefill rows [D, T)."""
+    the prefill rows [D, T), each group with its one LoRAKernelMeta built here, once per step."""
 
     def __init__(
         self,
@@ -196,33 +197,42 @@ class KernelLoraStep:
 
         self._shrink, self._expand = lora_shrink, lora_expand
         self.pool_rows = pool_rows
-        self.tables = tables
         self.num_decodes = num_decodes
-        self.decode_slots = decode_slots
-        self.segments = segments
+        self.decodes = decode_slots is not None
+        self.prefills = segments is not None
+        self.metas = {group: kernel_meta(t, decode_slots, segments) for group, t in tables.items()}
 
     def __call__(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
-        t = self.tables.get(group)
-        if t is None:
+        meta = self.metas.get(group)
+        if meta is None:
             return
-        a, b, cols, widths = t.a_starts[layer], t.b_starts[layer], t.b_cols[layer], t.b_widths[layer]
         pool, d = self.pool_rows, self.num_decodes
-        if self.decode_slots is not None:
-            slots = self.decode_slots
-            shrunk = self._shrink.lora_shrink_tokens(
-                x[:d], pool, a, t.slot_start, t.slot_rank, slots, t.max_rank
-            )
-            self._expand.lora_expand_tokens(
-                y[:d], shrunk, pool, b, cols, widths, t.slot_start, t.slot_rank, slots
-            )
-        if self.segments is not None:
-            starts, seg_slot, longest = self.segments.starts, self.segments.slots, self.segments.longest
-            shrunk = self._shrink.lora_shrink_segments(
-                x[d:], pool, a, t.slot_start, t.slot_rank, starts, seg_slot, t.max_rank, longest
-            )
-            self._expand.lora_expand_segments(
-                y[d:], shrunk, pool, b, cols, widths, t.slot_start, t.slot_rank, starts, seg_slot, longest
-            )
+        if self.decodes:
+            shrunk = self._shrink.lora_shrink_tokens(x[:d], pool, meta, layer)
+            self._expand.lora_expand_tokens(y[:d], shrunk, pool, meta, layer)
+        if self.prefills:
+            shrunk = self._shrink.lora_shrink_segments(x[d:], pool, meta, layer)
+            self._expand.lora_expand_segments(y[d:], shrunk, pool, meta, layer)
+
+
+def kernel_meta(
+    tables: LoraTables, decode_slots: torch.Tensor | None, segments: LoraSegments | None
+) -> LoRAKernelMeta:
+    """One group's kernel metadata for a step: the adapter set's tables (all layers) and the batch's
+    token -> slot maps, decode rows per token and prefill rows per segment (relative to row D)."""
+    return LoRAKernelMeta(
+        tables.a_starts,
+        tables.b_starts,
+        tables.b_cols,
+        tables.b_widths,
+        tables.slot_start,
+        tables.slot_rank,
+        max_rank=tables.max_rank,
+        token_slot=decode_slots,
+        seg_starts=None if segments is None else segments.starts,
+        seg_slot=None if segments is None else segments.slots,
+        max_seg_len=None if segments is None else segments.longest,
+    )
 
 
 class KernelLoraStacker:

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from loraplex.engine.kernels import lora_expand, lora_shrink, reference
+from loraplex.engine.kernels.lora_meta import LoRAKernelMeta
 
 HEAD_DIM = 64
 QKV_576 = (576, (576, 192, 192))  # SmolLM2-135M's qkv: q 576 | k 192 | v 192 (GQA)
@@ -38,6 +39,31 @@ class Batch:
     in_width: int
     out_width: int
     col_align: int  # what every b_col and b_width is a multiple of (the expand kernel relies on it)
+
+
+def kernel_meta(
+    batch: Batch,
+    token_slot: torch.Tensor | None = None,
+    seg_starts: torch.Tensor | None = None,
+    seg_slot: torch.Tensor | None = None,
+    *,
+    slot_start: torch.Tensor | None = None,
+    slot_rank: torch.Tensor | None = None,
+) -> LoRAKernelMeta:
+    """The batch's tables as one layer's (layer 0) kernel metadata, with the given token -> slot map;
+    max_rank and max_seg_len left for the wrappers to read (a device sync the engine avoids)."""
+    return LoRAKernelMeta(
+        batch.a_starts[None],
+        batch.b_starts[None],
+        batch.b_cols[None],
+        batch.b_widths[None],
+        batch.slot_start if slot_start is None else slot_start,
+        batch.slot_rank if slot_rank is None else slot_rank,
+        token_slot=token_slot,
+        seg_starts=seg_starts,
+        seg_slot=seg_slot,
+        col_align=batch.col_align,
+    )
 
 
 def make_batch(
@@ -153,15 +179,14 @@ def run_tokens(
 ) -> None:
     """Both ops by kernel and by reference, per token: each kernel against its reference (expand on the
     reference's shrunk values), rows without an adapter untouched, and something added at all."""
-    b = batch
-    shrunk = lora_shrink.lora_shrink_tokens(x, b.pool_rows, b.a_starts, b.slot_start, b.slot_rank, token_slot)
-    expected = reference.lora_shrink_tokens(x, b.pool_rows, b.a_starts, b.slot_start, b.slot_rank, token_slot)
-    assert shrunk.shape == expected.shape == (x.shape[0], int(b.slot_rank.max()))
+    meta = kernel_meta(batch, token_slot)
+    shrunk = lora_shrink.lora_shrink_tokens(x, batch.pool_rows, meta, 0)
+    expected = reference.lora_shrink_tokens(x, batch.pool_rows, meta, 0)
+    assert shrunk.shape == expected.shape == (x.shape[0], int(batch.slot_rank.max()))
     assert_near(shrunk, expected, dtype)
     got, want = y.clone(), y.clone()
-    tables = (b.b_starts, b.b_cols, b.b_widths, b.slot_start, b.slot_rank)
-    lora_expand.lora_expand_tokens(got, expected, b.pool_rows, *tables, token_slot, col_align=b.col_align)
-    reference.lora_expand_tokens(want, expected, b.pool_rows, *tables, token_slot)
+    lora_expand.lora_expand_tokens(got, expected, batch.pool_rows, meta, 0)
+    reference.lora_expand_tokens(want, expected, batch.pool_rows, meta, 0)
     assert_near(got, want, dtype)
     untouched = token_slot.cpu() < 0
     assert torch.equal(got.cpu()[untouched], y.cpu()[untouched])
@@ -177,15 +202,13 @@ def run_segments(
     dtype: torch.dtype,
 ) -> None:
     """run_tokens for segments."""
-    b = batch
-    a_tables = (b.a_starts, b.slot_start, b.slot_rank, seg_starts, seg_slot)
-    shrunk = lora_shrink.lora_shrink_segments(x, b.pool_rows, *a_tables)
-    expected = reference.lora_shrink_segments(x, b.pool_rows, *a_tables)
+    meta = kernel_meta(batch, seg_starts=seg_starts, seg_slot=seg_slot)
+    shrunk = lora_shrink.lora_shrink_segments(x, batch.pool_rows, meta, 0)
+    expected = reference.lora_shrink_segments(x, batch.pool_rows, meta, 0)
     assert_near(shrunk, expected, dtype)
     got, want = y.clone(), y.clone()
-    b_tables = (b.b_starts, b.b_cols, b.b_widths, b.slot_start, b.slot_rank, seg_starts, seg_slot)
-    lora_expand.lora_expand_segments(got, expected, b.pool_rows, *b_tables, col_align=b.col_align)
-    reference.lora_expand_segments(want, expected, b.pool_rows, *b_tables)
+    lora_expand.lora_expand_segments(got, expected, batch.pool_rows, meta, 0)
+    reference.lora_expand_segments(want, expected, batch.pool_rows, meta, 0)
     assert_near(got, want, dtype)
     token_slot = reference.segment_token_slots(seg_starts, seg_slot, x.shape[0]).cpu()
     assert torch.equal(got.cpu()[token_slot < 0], y.cpu()[token_slot < 0])
@@ -256,10 +279,10 @@ def test_odd_widths(max_len: int, device: torch.device) -> None:
     seg_starts, seg_slot, num_tokens = make_segments("uniform", 6, 5, max_len, device=device, seed=23)
     x, y = inputs(batch, num_tokens, torch.float32, device, seed=24)
     run_segments(batch, x, y, seg_starts, seg_slot, torch.float32)
-    tables = (batch.a_starts, batch.slot_start, batch.slot_rank, seg_starts, seg_slot)
-    expected = reference.lora_shrink_segments(x, batch.pool_rows, *tables)
+    meta = kernel_meta(batch, seg_starts=seg_starts, seg_slot=seg_slot)
+    expected = reference.lora_shrink_segments(x, batch.pool_rows, meta, 0)
     assert_near(
-        lora_shrink.lora_shrink_segments(x, batch.pool_rows, *tables, split_k=3), expected, torch.float32
+        lora_shrink.lora_shrink_segments(x, batch.pool_rows, meta, 0, split_k=3), expected, torch.float32
     )
 
 
@@ -269,14 +292,15 @@ def test_split_k(dtype: torch.dtype, device: torch.device) -> None:
     batch = make_batch(3, *QKV_1536, dtype, device, seed=13)
     x, _ = inputs(batch, 6, dtype, device, seed=14)
     token_slot = torch.tensor([0, 1, 2, -1, 1, 0], dtype=torch.int32, device=device)
-    tables = (batch.a_starts, batch.slot_start, batch.slot_rank)
-    expected = reference.lora_shrink_tokens(x, batch.pool_rows, *tables, token_slot)
-    got = lora_shrink.lora_shrink_tokens(x, batch.pool_rows, *tables, token_slot, split_k=3)
+    meta = kernel_meta(batch, token_slot)
+    expected = reference.lora_shrink_tokens(x, batch.pool_rows, meta, 0)
+    got = lora_shrink.lora_shrink_tokens(x, batch.pool_rows, meta, 0, split_k=3)
     assert_near(got, expected, dtype)
     seg_starts = torch.tensor([0, 2, 6], dtype=torch.int32, device=device)
     seg_slot = torch.tensor([2, 0], dtype=torch.int32, device=device)
-    expected = reference.lora_shrink_segments(x, batch.pool_rows, *tables, seg_starts, seg_slot)
-    got = lora_shrink.lora_shrink_segments(x, batch.pool_rows, *tables, seg_starts, seg_slot, split_k=5)
+    meta = kernel_meta(batch, seg_starts=seg_starts, seg_slot=seg_slot)
+    expected = reference.lora_shrink_segments(x, batch.pool_rows, meta, 0)
+    got = lora_shrink.lora_shrink_segments(x, batch.pool_rows, meta, 0, split_k=5)
     assert_near(got, expected, dtype)
 
 
@@ -293,17 +317,16 @@ def test_no_lora_tokens_leave_y_bit_for_bit(slot: int, dtype: torch.dtype, devic
     token_slot = torch.full((7,), slot, dtype=torch.int32, device=device)
     seg_starts = torch.tensor([0, 0, 4, 7], dtype=torch.int32, device=device)
     seg_slot = torch.full((3,), slot, dtype=torch.int32, device=device)
-    a_tables = (batch.a_starts, slot_start, slot_rank)
-    b_tables = (batch.b_starts, batch.b_cols, batch.b_widths, slot_start, slot_rank)
+    meta = kernel_meta(batch, token_slot, seg_starts, seg_slot, slot_start=slot_start, slot_rank=slot_rank)
     bits = y.view(torch.int16 if dtype == torch.bfloat16 else torch.int32).clone()
 
     for shrink, expand in ((lora_shrink, lora_expand), (reference, reference)):
-        shrunk = shrink.lora_shrink_tokens(x, batch.pool_rows, *a_tables, token_slot)
+        shrunk = shrink.lora_shrink_tokens(x, batch.pool_rows, meta, 0)
         assert shrunk.shape == (7, int(batch.slot_rank.max())) and not shrunk.any()
-        expand.lora_expand_tokens(y, shrunk, batch.pool_rows, *b_tables, token_slot)
-        shrunk = shrink.lora_shrink_segments(x, batch.pool_rows, *a_tables, seg_starts, seg_slot)
+        expand.lora_expand_tokens(y, shrunk, batch.pool_rows, meta, 0)
+        shrunk = shrink.lora_shrink_segments(x, batch.pool_rows, meta, 0)
         assert not shrunk.any()
-        expand.lora_expand_segments(y, shrunk, batch.pool_rows, *b_tables, seg_starts, seg_slot)
+        expand.lora_expand_segments(y, shrunk, batch.pool_rows, meta, 0)
         assert torch.equal(y.view(bits.dtype), bits)
 
 
@@ -318,15 +341,14 @@ def test_unsplit_shrink_writes_every_element(monkeypatch: pytest.MonkeyPatch, de
     monkeypatch.setattr(lora_shrink, "_output", stale)
     batch = make_batch(4, *QKV_576, torch.float32, device, seed=31)
     x, _ = inputs(batch, 9, torch.float32, device, seed=32)
-    a_tables = (batch.a_starts, batch.slot_start, batch.slot_rank)
     token_slot = torch.tensor([-1, 0, 1, -1, 2, 3, 0, -1, 1], dtype=torch.int32, device=device)
-    got = lora_shrink.lora_shrink_tokens(x, batch.pool_rows, *a_tables, token_slot, split_k=1)
-    assert_near(got, reference.lora_shrink_tokens(x, batch.pool_rows, *a_tables, token_slot), torch.float32)
     seg_starts = torch.tensor([0, 2, 2, 5, 9], dtype=torch.int32, device=device)
     seg_slot = torch.tensor([1, 0, -1, 3], dtype=torch.int32, device=device)
-    tables = (*a_tables, seg_starts, seg_slot)
-    got = lora_shrink.lora_shrink_segments(x, batch.pool_rows, *tables, split_k=1)
-    assert_near(got, reference.lora_shrink_segments(x, batch.pool_rows, *tables), torch.float32)
+    meta = kernel_meta(batch, token_slot, seg_starts, seg_slot)
+    got = lora_shrink.lora_shrink_tokens(x, batch.pool_rows, meta, 0, split_k=1)
+    assert_near(got, reference.lora_shrink_tokens(x, batch.pool_rows, meta, 0), torch.float32)
+    got = lora_shrink.lora_shrink_segments(x, batch.pool_rows, meta, 0, split_k=1)
+    assert_near(got, reference.lora_shrink_segments(x, batch.pool_rows, meta, 0), torch.float32)
 
 
 def test_strided_views(device: torch.device) -> None:
@@ -341,13 +363,11 @@ def test_strided_views(device: torch.device) -> None:
     token_slot = torch.tensor([0, 1, 2, -1, 0, 1, 2, 2, 0], dtype=torch.int32, device=device)
     before = y_buffer.clone()
     run_tokens(batch, x, y, token_slot, torch.float32)  # works on clones of y; check the in-place write:
-    shrunk = reference.lora_shrink_tokens(
-        x, batch.pool_rows, batch.a_starts, batch.slot_start, batch.slot_rank, token_slot
-    )
-    b_tables = (batch.b_starts, batch.b_cols, batch.b_widths, batch.slot_start, batch.slot_rank)
-    lora_expand.lora_expand_tokens(y, shrunk, batch.pool_rows, *b_tables, token_slot)
+    meta = kernel_meta(batch, token_slot)
+    shrunk = reference.lora_shrink_tokens(x, batch.pool_rows, meta, 0)
+    lora_expand.lora_expand_tokens(y, shrunk, batch.pool_rows, meta, 0)
     want = y_wide.clone()
-    reference.lora_expand_tokens(want, shrunk, batch.pool_rows, *b_tables, token_slot)
+    reference.lora_expand_tokens(want, shrunk, batch.pool_rows, meta, 0)
     assert_near(y_buffer[:, 32 : 32 + batch.out_width], want, torch.float32)
     assert torch.equal(y_buffer[:, :32], before[:, :32]) and torch.equal(
         y_buffer[:, 32 + batch.out_width :], before[:, 32 + batch.out_width :]
@@ -381,13 +401,12 @@ def test_reference_matches_naive_dense() -> None:
     x, y = inputs(batch, 10, torch.float32, cpu, seed=20)
     slots = [3, -1, 0, 0, 1, 2, -1, 3, 1, 0]
     token_slot = torch.tensor(slots, dtype=torch.int32)
-    a_tables = (batch.a_starts, batch.slot_start, batch.slot_rank)
-    b_tables = (batch.b_starts, batch.b_cols, batch.b_widths, batch.slot_start, batch.slot_rank)
     expected = naive_lora(batch, x, y, slots)
 
     got = y.clone()
-    shrunk = reference.lora_shrink_tokens(x, batch.pool_rows, *a_tables, token_slot)
-    reference.lora_expand_tokens(got, shrunk, batch.pool_rows, *b_tables, token_slot)
+    meta = kernel_meta(batch, token_slot)
+    shrunk = reference.lora_shrink_tokens(x, batch.pool_rows, meta, 0)
+    reference.lora_expand_tokens(got, shrunk, batch.pool_rows, meta, 0)
     torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
 
     # The same tokens as segments (runs of equal slots, with empty segments between).
@@ -395,8 +414,9 @@ def test_reference_matches_naive_dense() -> None:
     seg_slot = torch.tensor([3, -1, 2, 0, 1, 2, -1, 0, 3, 1, 0], dtype=torch.int32)
     assert reference.segment_token_slots(seg_starts, seg_slot, 10).tolist() == slots
     got = y.clone()
-    shrunk = reference.lora_shrink_segments(x, batch.pool_rows, *a_tables, seg_starts, seg_slot)
-    reference.lora_expand_segments(got, shrunk, batch.pool_rows, *b_tables, seg_starts, seg_slot)
+    meta = kernel_meta(batch, seg_starts=seg_starts, seg_slot=seg_slot)
+    shrunk = reference.lora_shrink_segments(x, batch.pool_rows, meta, 0)
+    reference.lora_expand_segments(got, shrunk, batch.pool_rows, meta, 0)
     torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
 
 

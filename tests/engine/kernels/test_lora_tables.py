@@ -18,6 +18,7 @@ from loraplex.adapters import inspect_adapter
 from loraplex.adapters.weights import load_lora_weights
 from loraplex.bench.lora_tables import old_group_tables  # the former per-step builder: the oracle
 from loraplex.engine.kernels import lora_expand, lora_shrink, reference
+from loraplex.engine.kernels.lora_meta import LoRAKernelMeta
 from loraplex.engine.lora.layout import GROUPS, group_width, pack_adapter, physical_rows
 from loraplex.engine.lora.tables import LoraTables, ResidentTables, adapter_meta
 
@@ -212,12 +213,18 @@ def test_ops_on_tables_match_dense_stacks(
             want = y.clone()
             reference.lora_shrink_expand(x, want, a_dense[layer], b_dense[layer], columns)
             got = y.to(device)
-            a_tables = (table.a_starts[layer], table.slot_start, table.slot_rank)
-            b_tables = (table.b_starts[layer], table.b_cols[layer], table.b_widths[layer])
-            on = [t.to(device) for t in (*a_tables, *b_tables, token_slot)]
+            t = table
+            meta = LoRAKernelMeta(
+                *(
+                    v.to(device)
+                    for v in (t.a_starts, t.b_starts, t.b_cols, t.b_widths, t.slot_start, t.slot_rank)
+                ),
+                max_rank=t.max_rank,
+                token_slot=token_slot.to(device),
+            )
             pool = pool_rows.to(device)
-            shrunk = shrink(x.to(device), pool, *on[:3], on[6], table.max_rank)
-            expand(got, shrunk, pool, *on[3:6], on[1], on[2], on[6])
+            shrunk = shrink(x.to(device), pool, meta, layer)
+            expand(got, shrunk, pool, meta, layer)
             torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-5, msg=f"{group} layer {layer}")
 
 
