@@ -5,7 +5,7 @@ per (sequence, kv head) serves that kv head's G query heads together, so each ca
 read from memory once per group rather than once per query head; the G rows are padded to a tile of
 at least 16 (the smallest `tl.dot` operand) and masked. The program walks the sequence's tokens
 BLOCK_N at a time, looking each token's page up in the block table (so any page size works and
-BLOCK_N need not match it), with an online softmax in float32.
+BLOCK_N need not match it), with an online softmax in float32 (online_softmax.py, shared with prefill).
 
 When there are too few (sequence, kv head) pairs to fill the GPU, long contexts are split into
 partitions handled by separate programs (split-K); each writes its partial output and log-sum-exp in
@@ -20,6 +20,7 @@ import triton.language as tl
 
 from .dot import dot_options
 from .gpu import gpu_target
+from .online_softmax import online_softmax_step
 
 # Keys per loop step: large enough to keep the tensor cores and the memory pipeline busy, small enough
 # that a short context wastes little of its last tile.
@@ -111,17 +112,10 @@ def _decode_kernel(
         k = tl.load(keys_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
         k = k.to(DOT_DTYPE)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [BLOCK_G, BLOCK_N]
+        # Every tile holds at least one valid token, so m is finite from the first tile on.
         s = tl.where(valid[None, :], s, float("-inf"))
-        # Every tile holds at least one valid token, so m_new is finite from the first tile on.
-        m_new = tl.maximum(m, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m - m_new)
-        row_sum = row_sum * alpha + tl.sum(p, 1)
-        v = tl.load(values_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        # p is rounded to the cache's dtype first, as the GPU's half-precision matmul needs.
-        p = p.to(v.dtype).to(DOT_DTYPE)
-        acc = acc * alpha[:, None] + tl.dot(p, v.to(DOT_DTYPE), input_precision=PRECISION)
-        m = m_new
+        v_ptrs = values_ptr + rows[:, None] + d[None, :]
+        m, row_sum, acc = online_softmax_step(s, v_ptrs, kv_mask, m, row_sum, acc, DOT_DTYPE, PRECISION)
 
     out = acc / row_sum[:, None]
     if SPLIT:

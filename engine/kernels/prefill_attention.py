@@ -6,7 +6,7 @@ to themselves.
 The chunks' own keys and values must already be in the pool. One program per (tile of BLOCK_M query
 rows of one chunk, query head) walks the sequence's keys BLOCK_N at a time up to the tile's causal
 limit, looking each key's page up in the block table, with an online softmax in float32 (flash
-attention's forward pass over a paged cache).
+attention's forward pass over a paged cache; online_softmax.py, shared with decode).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import triton.language as tl
 
 from .dot import dot_options
 from .gpu import gpu_target
+from .online_softmax import online_softmax_step
 from .paged_decode_attention import LOG2_E
 
 # 64 x 64 tiles: the usual flash-attention forward tile for head_dim 64-128 on an H100 with 4 warps.
@@ -112,15 +113,8 @@ def _prefill_kernel(
         # Key 0 is visible to every row (padded ones too), so m is finite after the first tile.
         visible = valid[None, :] & (keys[None, :] <= positions[:, None])
         s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m - m_new)
-        row_sum = row_sum * alpha + tl.sum(p, 1)
-        v = tl.load(values_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        # p is rounded to the cache's dtype first, as the GPU's half-precision matmul needs.
-        p = p.to(v.dtype).to(DOT_DTYPE)
-        acc = acc * alpha[:, None] + tl.dot(p, v.to(DOT_DTYPE), input_precision=PRECISION)
-        m = m_new
+        v_ptrs = values_ptr + rows[:, None] + d[None, :]
+        m, row_sum, acc = online_softmax_step(s, v_ptrs, kv_mask, m, row_sum, acc, DOT_DTYPE, PRECISION)
 
     out = acc / row_sum[:, None]
     out_ptrs = out_ptr + q_rows[:, None] * stride_ot + head * stride_oh + d[None, :]
