@@ -29,6 +29,7 @@ from loraplex.adapters import AdapterManifest, BaseShape
 # adapter is at fault, refused until registered with other weights; ADAPTER_UNAVAILABLE: its store could not
 # be read, retry later; ENGINE_ERROR: the engine's own failure.
 from loraplex.wire import ADAPTER_FAILED, ADAPTER_UNAVAILABLE, ENGINE_ERROR
+from loraplex.wire.errors import RefusedAdapterError, StepError, UnknownAdapterError
 from loraplex.wire.limits import LimitExceeded
 
 from .batch import DecodeBuckets
@@ -89,30 +90,12 @@ class RequestTooLarge(ValueError):
         self.param = param
 
 
-class UnknownAdapterError(ValueError):
-    """A request named an adapter that is not registered (never, or not any more)."""
-
-
-class RefusedAdapterError(ValueError):
-    """A request named an adapter that is refused (it is at fault); the message says why."""
-
-
 class NonFiniteLogits(RuntimeError):
     """A step produced NaN or infinite logits for some of its requests (`request_ids`)."""
 
     def __init__(self, request_ids: list[str]):
         super().__init__(f"the logits of {', '.join(request_ids[:8])} are not finite")
         self.request_ids = frozenset(request_ids)
-
-
-class StepError(RuntimeError):
-    """A step failure no adapter explains (raised after one retry). `outputs` are those the step
-    produced before it gave up (requests ended for a guilty adapter): deliver them, then fail the rest."""
-
-    def __init__(self, cause: Exception, outputs: list[RequestOutput]):
-        super().__init__(f"{type(cause).__name__}: {cause}")
-        self.cause = cause
-        self.outputs = outputs
 
 
 class LLMEngine:

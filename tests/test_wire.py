@@ -30,13 +30,33 @@ def test_imports_with_torch_fastapi_and_pydantic_blocked() -> None:
         "assert wire.adapter_id_of(wire.adapter_name('42')) == '42'\n"
         "error = wire.WireError('m', wire.SERVER_ERROR, wire.ENGINE_ERROR)\n"
         "assert wire.parse_error(__import__('json').dumps(error.body()).encode()) == error\n"
+        "from loraplex.wire import errors, limits\n"
+        "assert errors.failure_error(errors.StepError('x')).code == wire.ENGINE_ERROR\n"
+        "limits.check_stop(['a'])\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] == 'loraplex'))\n"
     )
     result = subprocess.run(
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60, check=False
     )
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "['loraplex', 'loraplex.wire']"
+    modules = "['loraplex', 'loraplex.wire', 'loraplex.wire.errors', 'loraplex.wire.limits']"
+    assert result.stdout.strip() == modules
+
+
+def test_each_failure_has_one_code_and_one_status() -> None:
+    """The one table: a failure's code read back from an ended request answers as the failure itself."""
+    from loraplex.wire import errors
+
+    assert len(errors.BY_CODE) == len(errors.ANSWERS)  # no code answers two failures
+    for failure, row in errors.ANSWERS.items():
+        raised = failure(3, 4) if failure is errors.QueueFull else failure("why")
+        error = errors.failure_error(raised)
+        assert (error.status, error.kind, error.code) == (row.status, row.kind, row.code)
+        assert errors.answer_code(row.code, str(raised)).body() == error.body()
+        assert bool(error.headers) == row.retry
+    unknown = errors.failure_error(KeyError("k"))
+    assert (unknown.status, unknown.code, unknown.message) == (500, wire.ENGINE_ERROR, "KeyError: 'k'")
+    assert errors.answer_code(None, "m").code == wire.ENGINE_ERROR
 
 
 @pytest.mark.parametrize("adapter_id", [uuid.UUID(int=7), "plain", "with:colon", "a/b c"])

@@ -38,35 +38,31 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from loraplex import wire
 from loraplex.adapters import AdapterError, AdapterManifest
 from loraplex.wire import limits
-
-from . import protocol
-from .async_engine import (
-    AdapterFailed,
-    AdapterFetchFailed,
+from loraplex.wire.errors import (
     AdapterUnavailable,
-    AsyncEngine,
     EngineUnavailable,
+    OpenAIError,
     OverShare,
     QueueFull,
-    RequestStream,
-    UnknownAdapter,
-    is_store_outage,
+    RefusedAdapterError,
+    UnknownAdapterError,
+    answer,
+    failure_error,
 )
+
+from . import protocol
+from .async_engine import AdapterFetchFailed, AsyncEngine, RequestStream, is_store_outage
 from .delivery import (
-    RETRY_AFTER_S,
     AbortingStreamingResponse,
     ClientGone,
     Delivery,
     Job,
-    adapter_failed,
-    adapter_unavailable,
-    failure,
     last_output,
     output_failure,
     unless_disconnected,
 )
 from .metrics import ServerMetrics, TenantLabels, tenant_label_key
-from .protocol import OpenAIError, bad_request
+from .protocol import bad_request
 from .settings import ServerSettings
 
 if TYPE_CHECKING:
@@ -197,13 +193,7 @@ class ServerState:
     def serving(self) -> AsyncEngine:
         """The engine, if it can take requests now; else a 503 that says why."""
         if self.engine is None or not self.engine.accepting or self.draining:
-            raise OpenAIError(
-                503,
-                f"not ready: {self.not_ready_reason()}",
-                wire.SERVER_ERROR,
-                wire.NOT_READY,
-                headers={"Retry-After": str(RETRY_AFTER_S)},
-            )
+            raise answer(EngineUnavailable, f"not ready: {self.not_ready_reason()}")
         assert self.engine is not None
         return self.engine
 
@@ -312,7 +302,7 @@ class ServerState:
         fresh = known is not None and (sha256 is None or known.sha256 == sha256.lower())
         if fresh and known is not None and known.failed is not None:
             # The same weights failed here before: refused with the reason until other weights come.
-            raise adapter_failed(f"adapter {name!r}: {known.failed}")
+            raise answer(RefusedAdapterError, f"adapter {name!r}: {known.failed}")
         if fresh:
             return
         pending = self._registering.get(name)
@@ -338,12 +328,12 @@ class ServerState:
             manifest = await engine.register_adapter(name, await self.local_adapter(uri, sha256), sha256)
         except AdapterUnavailable as exc:
             self.metrics.adapter_registrations.labels("unavailable").inc()
-            raise adapter_unavailable(f"adapter {name!r}: {exc}") from exc
+            raise answer(AdapterUnavailable, f"adapter {name!r}: {exc}") from exc
         except AdapterError as exc:
             fetch = isinstance(exc, AdapterFetchFailed)
             self.metrics.adapter_registrations.labels("fetch_failed" if fetch else "invalid").inc()
             if for_gateway:  # nothing there, or something there that fails validation or verification
-                raise adapter_failed(f"adapter {name!r}: {exc}") from exc
+                raise answer(RefusedAdapterError, f"adapter {name!r}: {exc}") from exc
             if fetch:
                 raise OpenAIError(
                     400, f"adapter {name!r}: {exc}", wire.INVALID_REQUEST, wire.ADAPTER_FETCH_FAILED
@@ -397,34 +387,14 @@ class ServerState:
             return await engine.add_request(
                 job.prompt_ids, job.params, job.adapter, job.tenant, job.tenant_weight
             )
-        except QueueFull as exc:
-            raise OpenAIError(
-                429,
-                str(exc),
-                wire.RATE_LIMITED,
-                wire.QUEUE_FULL,
-                headers={"Retry-After": str(RETRY_AFTER_S)},
-            ) from exc
-        except OverShare as exc:  # this tenant's flood: other tenants are still admitted
-            raise OpenAIError(
-                429,
-                str(exc),
-                wire.RATE_LIMITED,
-                wire.TENANT_SHARE_EXCEEDED,
-                headers={"Retry-After": str(RETRY_AFTER_S)},
-            ) from exc
-        except UnknownAdapter as exc:
-            raise OpenAIError(
-                404, f"The model `{job.model}` does not exist.", wire.INVALID_REQUEST, wire.MODEL_NOT_FOUND
-            ) from exc
-        except AdapterFailed as exc:  # before ValueError: an AdapterError is one
-            raise adapter_failed(f"adapter {job.model!r}: {exc}") from exc
+        except (QueueFull, OverShare, EngineUnavailable) as exc:  # OverShare: other tenants still get in
+            raise failure_error(exc) from exc
+        except UnknownAdapterError as exc:  # these two before ValueError: each is one
+            raise answer(UnknownAdapterError, f"The model `{job.model}` does not exist.") from exc
+        except RefusedAdapterError as exc:
+            raise answer(RefusedAdapterError, f"adapter {job.model!r}: {exc}") from exc
         except ValueError as exc:  # the engine's own checks (pool size, vocabulary) name the limit
             raise bad_request(str(exc), getattr(exc, "param", None), limit_code(exc)) from exc
-        except EngineUnavailable as exc:
-            raise OpenAIError(
-                503, str(exc), wire.SERVER_ERROR, wire.NOT_READY, headers={"Retry-After": str(RETRY_AFTER_S)}
-            ) from exc
 
 
 def create_app(
@@ -597,7 +567,7 @@ async def _run(state: ServerState, job: Job, request: Request) -> Response:
         except OpenAIError:
             raise
         except Exception as exc:
-            raise failure(exc) from exc
+            raise failure_error(exc) from exc
         broken = output_failure(first, job)
         if broken is not None:
             raise broken
@@ -648,12 +618,12 @@ def _add_adapter_routes(app: FastAPI, state: ServerState) -> None:
         await state.ensure_adapter(engine, body.name, body.uri, body.sha256)
         try:
             level = await engine.warm_adapter(body.name)
-        except UnknownAdapter as exc:  # unregistered again between the two calls
-            raise adapter_unavailable(f"adapter {body.name!r} was unregistered while warming") from exc
-        except AdapterFailed as exc:
-            raise adapter_failed(str(exc)) from exc
+        except UnknownAdapterError as exc:  # unregistered again between the two calls: worth a retry
+            raise answer(AdapterUnavailable, f"adapter {body.name!r} was unregistered while warming") from exc
+        except RefusedAdapterError as exc:
+            raise answer(RefusedAdapterError, str(exc)) from exc
         except AdapterUnavailable as exc:
-            raise adapter_unavailable(f"adapter {body.name!r}: {exc}") from exc
+            raise answer(AdapterUnavailable, f"adapter {body.name!r}: {exc}") from exc
         facts = engine.adapter(body.name)
         sha256 = facts.sha256 if facts is not None else (body.sha256 or "")
         log.info("prewarmed adapter %s (%s)", body.name, level)
@@ -665,7 +635,7 @@ def _add_adapter_routes(app: FastAPI, state: ServerState) -> None:
         engine = state.serving()
         try:
             forgotten = await engine.unregister_adapter(name)
-        except UnknownAdapter as exc:
+        except UnknownAdapterError as exc:  # not model_not_found: the name is an adapter's, not a model's
             raise OpenAIError(
                 404, f"adapter {name!r} is not registered", wire.INVALID_REQUEST, wire.ADAPTER_NOT_FOUND
             ) from exc

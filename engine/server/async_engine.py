@@ -8,7 +8,7 @@ queues that the HTTP handlers read.
 
 Failure handling: the engine keeps an adapter's faults to that adapter's requests (see engine.py), so
 a step that still raises is a failure no adapter explains: it fails the requests it was running (their
-callers get a StepFailed, their pages are freed) and the loop carries on; several such failures in a
+callers get a StepError, their pages are freed) and the loop carries on; several such failures in a
 row make it not ready (until a step succeeds), and an error in the loop's own bookkeeping stops it for
 good (`dead`), so /ready and /health tell the truth. Adapter faults never count against readiness.
 
@@ -36,6 +36,15 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from loraplex.adapters import AdapterError, AdapterManifest, fetch_local
 from loraplex.wire import QUEUE_FULL
+from loraplex.wire.errors import (
+    AdapterUnavailable,
+    EngineUnavailable,
+    OverShare,
+    QueueFull,
+    RefusedAdapterError,
+    StepError,
+    UnknownAdapterError,
+)
 from loraplex.wire.shares import Holdings, Shares
 
 from .metrics import ServerMetrics
@@ -52,35 +61,6 @@ T = TypeVar("T")
 
 # Steps failing one after another with nothing succeeding in between: the engine is broken, not a request.
 UNHEALTHY_AFTER_FAILURES = 3
-
-
-class EngineUnavailable(RuntimeError):
-    """The loop is not running (still loading, stopped, or dead): retry on another replica."""
-
-
-class QueueFull(RuntimeError):
-    def __init__(self, waiting: int, limit: int):
-        super().__init__(f"{waiting} requests are already waiting (the limit is {limit}); retry shortly")
-
-
-class OverShare(RuntimeError):
-    """The tenant holds its share of the waiting queue already (wire/shares.py); others are admitted."""
-
-
-class StepFailed(RuntimeError):
-    """The engine raised while running this request; the request was ended and its pages freed."""
-
-
-class UnknownAdapter(LookupError):
-    pass
-
-
-class AdapterFailed(AdapterError):
-    """The adapter is at fault (cannot be verified or loaded, or failed a step): refused with the reason."""
-
-
-class AdapterUnavailable(RuntimeError):
-    """The adapter's store could not be read: not the adapter's fault, worth a retry."""
 
 
 # OS errors that mean the store (a network filesystem, say) is not answering now, rather than that the
@@ -312,12 +292,12 @@ class AsyncEngine:
 
     async def unregister_adapter(self, name: str) -> bool:
         """New requests can no longer name it; True if it is forgotten now, False if it drains (the
-        requests using it finish, then its pages and host copy are freed). UnknownAdapter if it is not
-        registered."""
+        requests using it finish, then its pages and host copy are freed). UnknownAdapterError if it is
+        not registered."""
 
         def unregister(engine: LLMEngine) -> bool:
             if engine.adapter(name) is None:
-                raise UnknownAdapter(name)
+                raise UnknownAdapterError(f"adapter {name!r} is not registered")
             return engine.unregister_adapter(name)
 
         return await self._call(unregister)
@@ -325,11 +305,12 @@ class AsyncEngine:
     async def warm_adapter(self, name: str) -> str:
         """Load a registered adapter ahead of its requests (LLMEngine.warm_adapter): its host copy is read
         and packed off the loop thread, so the steps wait only for the copy into the pool. "device" or
-        "host"; UnknownAdapter, AdapterFailed (at fault) or AdapterUnavailable (the store did not answer)."""
+        "host"; UnknownAdapterError, RefusedAdapterError (at fault) or AdapterUnavailable (the store did not
+        answer)."""
 
         def prefetch(engine: LLMEngine) -> Future[Any] | None:
             if engine.adapter(name) is None:
-                raise UnknownAdapter(name)
+                raise UnknownAdapterError(f"adapter {name!r} is not registered")
             engine.loader.prefetch([name])
             return engine.loader.host.pending(name)
 
@@ -340,10 +321,10 @@ class AsyncEngine:
                 return engine.warm_adapter(name)
             except LoadFailed as exc:
                 if exc.failure.at_fault:
-                    raise AdapterFailed(f"adapter {name!r} could not be loaded: {exc}") from exc
+                    raise RefusedAdapterError(f"adapter {name!r} could not be loaded: {exc}") from exc
                 raise AdapterUnavailable(str(exc)) from exc
             except AdapterError as exc:
-                raise AdapterFailed(str(exc)) from exc
+                raise RefusedAdapterError(str(exc)) from exc
 
         packing = await self._call(prefetch)
         if packing is not None:  # its failure, if any, is the load's to report (the get after it)
@@ -454,8 +435,6 @@ class AsyncEngine:
             left = self._pending_by_tenant.pop(tenant) - 1
             if left:
                 self._pending_by_tenant[tenant] = left
-        from loraplex.engine.engine import RefusedAdapterError, UnknownAdapterError
-
         outcome: Exception | None = None
         try:
             self.engine.add_request(
@@ -466,11 +445,7 @@ class AsyncEngine:
                 tenant=tenant,
                 tenant_weight=tenant_weight,
             )
-        except UnknownAdapterError:
-            outcome = UnknownAdapter(adapter)
-        except RefusedAdapterError as exc:
-            outcome = AdapterFailed(str(exc))
-        except Exception as exc:
+        except Exception as exc:  # the engine's refusal (wire/errors.py) goes to the caller as it is
             outcome = exc
         if outcome is not None:
             with self._pending_lock:  # taken at the post: it never reached the queue
@@ -490,13 +465,11 @@ class AsyncEngine:
         self._ended(tracked, "abort")
 
     def _step(self) -> None:
-        from loraplex.engine.engine import StepError
-
         try:
             outputs = self.engine.step()
         except StepError as exc:  # the outputs it made (an adapter's ended requests) still go out
             self._deliver_outputs(exc.outputs)
-            self._step_failed(exc.cause)
+            self._step_failed(exc.cause or exc)
             return
         except Exception as exc:
             self._step_failed(exc)
@@ -548,7 +521,7 @@ class AsyncEngine:
 
         engine = self.engine
         affected = engine.request_ids(RequestStatus.RUNNING) or engine.request_ids(RequestStatus.WAITING)
-        error = StepFailed(
+        error = StepError(
             f"the engine failed while running this request (step error {reference}, in the engine's log); "
             "retry it"
         )

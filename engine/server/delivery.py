@@ -17,25 +17,16 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from loraplex import wire
+from loraplex.wire.errors import OpenAIError, answer_code, failure_error
 
 from . import protocol
-from .async_engine import (
-    AdapterFailed,
-    AdapterUnavailable,
-    AsyncEngine,
-    EngineUnavailable,
-    RequestStream,
-    StepFailed,
-)
-from .protocol import OpenAIError
+from .async_engine import AsyncEngine, RequestStream
 
 if TYPE_CHECKING:
     from loraplex.engine.request import RequestOutput, TokenLogprob
     from loraplex.engine.sampling_params import SamplingParams
 
 T = TypeVar("T")
-RETRY_AFTER_S = 1
 
 
 class ClientGone(Exception):
@@ -57,42 +48,6 @@ class Job:
     tenant_weight: float = 1.0  # the tenant's share of a busy engine (the gateway's weight header)
 
 
-def adapter_failed(message: str) -> OpenAIError:
-    """The adapter is at fault (the wire contract: 422, code adapter_failed; the gateway marks it failed)."""
-    return OpenAIError(wire.ADAPTER_FAILED_STATUS, message, wire.INVALID_REQUEST, wire.ADAPTER_FAILED)
-
-
-def adapter_unavailable(message: str) -> OpenAIError:
-    """The adapter's store could not be read: not the adapter's fault (503, code adapter_unavailable)."""
-    return OpenAIError(
-        wire.ADAPTER_UNAVAILABLE_STATUS,
-        message,
-        wire.SERVER_ERROR,
-        wire.ADAPTER_UNAVAILABLE,
-        headers={"Retry-After": str(RETRY_AFTER_S)},
-    )
-
-
-def engine_error(message: str) -> OpenAIError:
-    """The engine failed the request itself: no fault of the adapter's or the client's (500)."""
-    return OpenAIError(500, message, wire.SERVER_ERROR, wire.ENGINE_ERROR)
-
-
-def failure(exc: BaseException) -> OpenAIError:
-    """The error a client sees when its request failed inside the engine."""
-    if isinstance(exc, AdapterFailed):
-        return adapter_failed(str(exc))
-    if isinstance(exc, AdapterUnavailable):
-        return adapter_unavailable(str(exc))
-    if isinstance(exc, StepFailed):
-        return engine_error(str(exc))
-    if isinstance(exc, EngineUnavailable):
-        return OpenAIError(
-            503, str(exc), wire.SERVER_ERROR, wire.NOT_READY, headers={"Retry-After": str(RETRY_AFTER_S)}
-        )
-    return engine_error(f"{type(exc).__name__}: {exc}")
-
-
 def output_failure(output: RequestOutput, job: Job) -> OpenAIError | None:
     """A request the engine finished with an error: its adapter at fault (it would not load or verify,
     or failed a step on its own), its adapter's store unreachable, or the engine's own failure."""
@@ -100,11 +55,7 @@ def output_failure(output: RequestOutput, job: Job) -> OpenAIError | None:
         return None
     message = output.error or "the engine could not run this request"
     code = getattr(output, "error_code", None)  # engine.FailedOutput says whose fault it was
-    if code == wire.ADAPTER_FAILED:
-        return adapter_failed(message)
-    if code == wire.ADAPTER_UNAVAILABLE:
-        return adapter_unavailable(message)
-    return engine_error(message)
+    return answer_code(code, message)
 
 
 async def until_disconnected(request: Request) -> None:
@@ -177,7 +128,7 @@ class Delivery:
             try:
                 output = await stream.next()
             except Exception as exc:
-                error = failure(exc)
+                error = failure_error(exc)
                 yield protocol.sse(error.body())
                 return
             broken = output_failure(output, self.job)

@@ -19,33 +19,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from loraplex import wire
 from loraplex.engine.sampling_params import SamplingParams
 from loraplex.wire import limits
+from loraplex.wire.errors import OpenAIError
 
 if TYPE_CHECKING:
     from loraplex.engine.request import TokenLogprob
 
 # JSON has no -inf; OpenAI reports impossible tokens at this floor too.
 LOGPROB_FLOOR = -9999.0
-
-
-class OpenAIError(Exception):
-    """Answered as OpenAI's error JSON: {"error": {"message", "type", "param", "code"}} (wire.WireError),
-    with the wire contract's codes."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        kind: str = wire.INVALID_REQUEST,
-        code: str | None = None,
-        param: str | None = None,
-        headers: dict[str, str] | None = None,
-    ):
-        super().__init__(message)
-        self.status, self.message, self.kind = status, message, kind
-        self.code, self.param, self.headers = code, param, headers
-
-    def body(self) -> dict[str, Any]:
-        return wire.error_body(self.message, self.kind, self.code, self.param)
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> OpenAIError:

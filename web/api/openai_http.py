@@ -12,25 +12,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from loraplex import wire
+from loraplex.wire.errors import OpenAIError
 
 from ..services.completions import Completion, CompletionStream, EngineRefused, Refused
-
-
-class OpenAIError(Exception):
-    """Answered as OpenAI's error JSON (wire.WireError) with `status` and `headers`."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        kind: str,
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-        param: str | None = None,
-    ):
-        super().__init__(message)
-        self.status, self.message, self.kind, self.code, self.headers = status, message, kind, code, headers
-        self.param = param
 
 
 def _error_response(
@@ -40,7 +24,7 @@ def _error_response(
 
 
 async def _openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
-    return _error_response(exc.status, exc.message, exc.kind, exc.code, exc.param, headers=exc.headers)
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
 
 def field_of(error: Any) -> str:
@@ -69,7 +53,7 @@ def refused(exc: Refused) -> OpenAIError:
     """The gateway's verdict as the error the app's handler answers."""
     error = exc.error
     return OpenAIError(
-        exc.status, error.message, error.type, error.code, _retry_headers(exc.retry_after), error.param
+        exc.status, error.message, error.type, error.code, error.param, _retry_headers(exc.retry_after)
     )
 
 

@@ -198,8 +198,8 @@ def test_engine_failures_map_to_the_wire_contract() -> None:
     from loraplex.engine.engine import FailedOutput
     from loraplex.engine.request import RequestOutput
     from loraplex.engine.sampling_params import SamplingParams
-    from loraplex.engine.server.async_engine import AdapterFailed, AdapterUnavailable
-    from loraplex.engine.server.delivery import Job, failure, output_failure
+    from loraplex.engine.server.delivery import Job, output_failure
+    from loraplex.wire.errors import AdapterUnavailable, RefusedAdapterError, failure_error
 
     job = Job(False, "mine", "id:1", [1], SamplingParams(), False, False, "t")
     fields = dict(request_id="r", prompt=None, prompt_token_ids=[1], token_ids=[], text="", finished=True)
@@ -225,7 +225,6 @@ def test_engine_failures_map_to_the_wire_contract() -> None:
         assert (error.headers or {}).get("Retry-After") == retry_after
     done = RequestOutput(**fields, finish_reason="stop")
     assert output_failure(done, job) is None
-    assert (
-        failure(AdapterFailed("bad")).code == "adapter_failed" and failure(AdapterFailed("x")).status == 422
-    )
-    assert failure(AdapterUnavailable("down")).status == 503
+    refused = failure_error(RefusedAdapterError("bad"))
+    assert refused.code == "adapter_failed" and refused.status == 422 and refused.message == "bad"
+    assert failure_error(AdapterUnavailable("down")).status == 503

@@ -11,6 +11,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from loraplex import wire
+from loraplex.wire.errors import OpenAIError
 
 from ...db.session import Database
 from ...schemas import PRINTABLE
@@ -18,7 +19,7 @@ from ...services import gateway
 from ...services.completions import EngineRefused, Gateway, Refused, bad_request
 from ...services.keys import Principal
 from ..deps import Credentials, principal_of
-from ..openai_http import OpenAIError, engine_refused, field_of, refused, respond
+from ..openai_http import engine_refused, field_of, refused, respond
 from ..openai_http import install_error_handlers as install_error_handlers  # create_app installs them
 
 router = APIRouter(prefix="/v1", tags=["gateway"])
