@@ -42,8 +42,28 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 log = logging.getLogger("loraplex.engine.server")
 
 
-class ServerSettings(BaseSettings):
-    """The server's own options, then (added below from EngineConfig) the engine's; and two settings that
+_ENGINE_HINTS = typing.get_type_hints(EngineConfig, include_extras=True)
+if TYPE_CHECKING:
+    # Type checkers see the two of the engine's options the server reads itself; the rest are read
+    # through engine_config().
+
+    class _EngineOptions(BaseSettings):
+        model: str | None = None
+        model_cache: str | None = None
+
+else:
+    # The engine's options as fields, declared by EngineConfig alone (pydantic's create_model makes them
+    # from its annotations), so ServerSettings below declares only the server's own.
+    _EngineOptions = create_model(
+        "_EngineOptions",
+        __base__=BaseSettings,
+        __module__=__name__,
+        **{o.name: (_ENGINE_HINTS[o.name], o.default) for o in ENGINE_OPTIONS},
+    )
+
+
+class ServerSettings(_EngineOptions):
+    """The engine's options (from EngineConfig, above), then the server's own; and two settings that
     are not options: the internal token (a secret: variable only, never a flag that `ps` would show) and
     the start adapters (a list: `--adapter` repeated, or LORAPLEX_ADAPTERS as a JSON list)."""
 
@@ -114,11 +134,6 @@ class ServerSettings(BaseSettings):
     ] = 64
     internal_token: SecretStr | None = None
     adapters: list[str] = Field(default_factory=list, description="NAME=PATH_OR_URI[@SHA256] at start")
-
-    if TYPE_CHECKING:
-        # Two of the engine's options the server reads itself; their fields come from EngineConfig below.
-        model: str | None = None
-        model_cache: str | None = None
 
     @classmethod
     def settings_customise_sources(
@@ -248,23 +263,12 @@ def _json_list(variable: str, text: str) -> list[str]:
     return value
 
 
-# The server's own options, as declared above; then every option `loraplex serve` takes.
-SERVER_OPTIONS = options_of(ServerSettings)
+# The server's own options, as declared above (its fields less the engine's); then every option
+# `loraplex serve` takes.
+_ENGINE_NAMES = frozenset(o.name for o in ENGINE_OPTIONS)
+SERVER_OPTIONS = tuple(o for o in options_of(ServerSettings) if o.name not in _ENGINE_NAMES)
 ALL_OPTIONS = (*ENGINE_OPTIONS, *SERVER_OPTIONS)
 _BY_NAME = by_name(ALL_OPTIONS)
-_ENGINE_HINTS = typing.get_type_hints(EngineConfig, include_extras=True)
-
-# The engine's options become fields of the same class, declared by EngineConfig alone: the class is
-# re-made with them (pydantic's create_model). Type checkers see the class above, which is all the code
-# reads by attribute; the engine's options are read through engine_config().
-_ENGINE_FIELDS: dict[str, Any] = {o.name: (_ENGINE_HINTS[o.name], o.default) for o in ENGINE_OPTIONS}
-ServerSettings = create_model(  # type: ignore[misc]
-    "ServerSettings",
-    __base__=ServerSettings,
-    __module__=__name__,
-    __doc__=ServerSettings.__doc__ or "",
-    **_ENGINE_FIELDS,
-)
 
 
 def queue_shares_of(
