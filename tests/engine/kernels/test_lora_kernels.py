@@ -425,3 +425,19 @@ def test_segment_token_slots() -> None:
     seg_slot = torch.tensor([4, 1, 0, 3, 2])  # empty, 3 tokens, empty, empty, 2 tokens
     assert reference.segment_token_slots(seg_starts, seg_slot, 9).tolist() == [-1, -1, 1, 1, 1, 2, 2, -1, -1]
     assert reference.segment_token_slots(torch.tensor([0]), torch.tensor([]), 3).tolist() == [-1, -1, -1]
+
+
+def test_meta_refuses_what_the_kernels_would_misread() -> None:
+    """One layer's 1-D tables (the kernels index [layer]), half a segment map, or a form's map missing."""
+    batch = make_batch(2, 128, (128, 64, 64), torch.float32, torch.device("cpu"), seed=25)
+    tables = (batch.a_starts, batch.b_starts, batch.b_cols, batch.b_widths, batch.slot_start, batch.slot_rank)
+    with pytest.raises(ValueError, match="layer dimension"):
+        LoRAKernelMeta(*tables)
+    seg_starts = torch.tensor([0, 2], dtype=torch.int32)
+    with pytest.raises(ValueError, match="seg_starts and seg_slot"):
+        kernel_meta(batch, seg_starts=seg_starts)
+    x = torch.zeros(2, batch.in_width)
+    with pytest.raises(ValueError, match="token_slot"):
+        lora_shrink.lora_shrink_tokens(x, batch.pool_rows, kernel_meta(batch), 0)
+    with pytest.raises(ValueError, match="seg_starts"):
+        reference.lora_shrink_segments(x, batch.pool_rows, kernel_meta(batch, torch.zeros(2)), 0)

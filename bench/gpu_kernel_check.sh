@@ -1,0 +1,121 @@
+#!/usr/bin/env bash
+# The LoRA and attention kernels on a CUDA GPU, before and after a kernel change (issue 25, item 4:
+# LoRAKernelMeta and the shared @triton.jit helpers): the kernel tests run natively, then
+# `python -m loraplex.bench kernels --device cuda` for this tree and for an older one, figures side by side.
+#
+# Two steps, because the GPU machine has neither the repository's history nor its virtual environment:
+#
+#   here, with git:        bash bench/gpu_kernel_check.sh prepare [OLD_COMMIT]
+#                          (writes OLD_COMMIT's engine/ and bench/ to build/gpu_check/old; default: the
+#                          parent of the commit that introduced engine/kernels/lora_meta.py)
+#   on the GPU machine:    bash bench/gpu_kernel_check.sh
+#                          (with build/gpu_check/old carried along; it is git-ignored)
+#
+# Needs only a python with torch and triton (pytest too for the tests; without it they are skipped with
+# a note, and bench kernels still checks every kernel against the torch reference before timing it).
+# The package is not installed there: a shim directory maps `loraplex.<part>` onto each tree's folders
+# (pyproject's package-dir) through PYTHONPATH. Budget: about 5 minutes (each command has a timeout).
+# `bench lora` is not run: it drives the engine on the CPU only (bench/lora.py: device "cpu"), so it
+# never reaches these kernels.
+set -uo pipefail
+
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+OLD="$REPO/build/gpu_check/old"
+PYTHON="${PYTHON:-python3}"
+# DEVICE=cpu: a smoke test of this script itself (tiny shapes in the interpreter; no tests).
+DEVICE="${DEVICE:-cuda}"
+
+if [[ "${1:-}" == "prepare" ]]; then
+    commit="${2:-$(git -C "$REPO" log --diff-filter=A --format=%H -- engine/kernels/lora_meta.py | tail -1)^}"
+    rm -rf "$OLD" && mkdir -p "$OLD"
+    git -C "$REPO" archive "$commit" engine bench | tar -x -C "$OLD"
+    git -C "$REPO" rev-parse "$commit" > "$OLD/COMMIT"
+    echo "old tree: $(cat "$OLD/COMMIT") in $OLD"
+    exit 0
+fi
+
+WORK="$(mktemp -d)"
+trap 'rm -rf "$WORK"' EXIT
+
+# shim DIR TREE: DIR/loraplex/{engine,bench,...} -> TREE/{engine,bench,...}; loraplex is a namespace package.
+shim() {
+    mkdir -p "$1/loraplex"
+    for part in engine adapters bench cli wire web migrations; do
+        [[ -d "$2/$part" ]] && ln -sfn "$2/$part" "$1/loraplex/$part"
+    done
+}
+shim "$WORK/new" "$REPO"
+if [[ -d "$OLD/engine" ]]; then
+    # The old tree has only engine/ and bench/; anything else it imports comes from this one.
+    shim "$WORK/old" "$REPO"
+    shim "$WORK/old" "$OLD"
+else
+    echo "no old tree in $OLD (run 'bash bench/gpu_kernel_check.sh prepare' where git is): new tree only"
+fi
+
+echo "== machine"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | head -2
+"$PYTHON" -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, "cuda", torch.cuda.is_available())'
+small=()
+if [[ "$DEVICE" == cpu ]]; then
+    export TRITON_INTERPRET=1
+    small=(--small --repeats 1 --warmup 0)
+elif ! "$PYTHON" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)'; then
+    echo "FAIL: no CUDA device visible to torch"
+    exit 1
+else
+    unset TRITON_INTERPRET
+fi
+export TRITON_DEFAULT_FP_FUSION=1
+status=0
+
+echo "== kernel tests on $DEVICE (this tree)"
+if [[ "$DEVICE" == cpu ]]; then
+    echo "SKIPPED on the CPU (the suite runs them there)"
+elif "$PYTHON" -c 'import pytest' 2>/dev/null; then
+    # addopts cleared: pyproject's --dist needs pytest-xdist, which a bare python lacks.
+    (cd "$REPO" && PYTHONPATH="$WORK/new" timeout 240 "$PYTHON" -m pytest -q -o addopts="" -p no:cacheprovider \
+        tests/engine/kernels/test_lora_kernels.py tests/engine/kernels/test_attention_kernels.py 2>&1 | tail -15)
+    [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+else
+    echo "SKIPPED: pytest is not installed for $PYTHON (bench kernels below still checks results)"
+fi
+
+# bench_kernels LABEL SHIM: the LoRA and decode-attention kernels at batch 1..256, bfloat16, as JSON.
+bench_kernels() {
+    echo "== bench kernels: $1"
+    (cd "$WORK" && PYTHONPATH="$2" timeout 150 "$PYTHON" -m loraplex.bench kernels --device "$DEVICE" --json \
+        --repeats 30 --warmup 5 "${small[@]}" > "$WORK/$1.json" 2> "$WORK/$1.err")
+    local rc=$?
+    if [[ $rc -ne 0 ]]; then
+        echo "FAIL ($rc):" && tail -20 "$WORK/$1.err"
+        return 1
+    fi
+}
+bench_kernels new "$WORK/new" || status=1
+[[ -d "$WORK/old" ]] && { bench_kernels old "$WORK/old" || status=1; }
+
+"$PYTHON" - "$WORK" <<'EOF'
+import json, sys
+from pathlib import Path
+
+work = Path(sys.argv[1])
+runs = {label: json.loads((work / f"{label}.json").read_text())
+        for label in ("old", "new") if (work / f"{label}.json").is_file()}
+if not runs:
+    sys.exit(0)
+first = next(iter(runs.values()))
+print(f"device: {first.get('device')}  dtype: {first.get('dtype')}")
+def key(r):
+    return (r["case"], r["variant"], r["batch"])
+tables = {label: {key(r): r for r in doc["results"]} for label, doc in runs.items()}
+print(f"{'case':<18}{'variant':<11}{'batch':>6}" + "".join(f"{l + ' us':>12}" for l in tables) + f"{'new/old':>9}")
+for k in sorted(set().union(*tables.values())):
+    times = [tables[l].get(k, {}).get("kernel_seconds") for l in tables]
+    cells = "".join(f"{t * 1e6:>12.1f}" if t else f"{'-':>12}" for t in times)
+    ratio = f"{times[-1] / times[0]:>9.3f}" if len(times) == 2 and all(times) else ""
+    print(f"{k[0]:<18}{k[1]:<11}{k[2]:>6}{cells}{ratio}")
+EOF
+
+echo "== done: $([[ $status -eq 0 ]] && echo PASS || echo FAIL)"
+exit $status
