@@ -3,6 +3,8 @@
 Both sides import these names and neither spells one of them itself, so the contract cannot drift:
 - headers: the internal token that makes the engine trust the others, the tenant, and the adapter (its
   id, artifact URI and content digest), built by `request_headers` and read by `adapter_from_headers`;
+- references: a tenant (`TenantRef`: its id and weight) and an adapter (`AdapterRef`: id, URI, digest) as
+  one value each, wherever they travel;
 - adapter names: an adapter the gateway routes is registered on the engine as `id:<adapter id>`, a name
   no engine flag and no tenant body can take (`adapter_name`, `adapter_id_of`);
 - errors: OpenAI's error body (`WireError`, `error_body`, `parse_error`) with the codes that say whose
@@ -165,6 +167,15 @@ class AdapterRef:
     @property
     def name(self) -> str:
         return adapter_name(self.adapter_id)
+
+
+@dataclass(frozen=True)
+class TenantRef:
+    """A tenant as the gateway hands it to an engine: its id (None: no tenant, as when an engine serves
+    alone) and its weight, its share of a busy engine against other tenants (TENANT_WEIGHT_HEADER)."""
+
+    tenant_id: str | None = None
+    weight: float = 1.0
 
 
 class BadHeaders(ValueError):

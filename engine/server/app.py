@@ -51,7 +51,7 @@ from loraplex.wire.errors import (
 )
 
 from . import protocol
-from .async_engine import AdapterFetchFailed, AsyncEngine, RequestStream, is_store_outage
+from .async_engine import NO_TENANT, AdapterFetchFailed, AsyncEngine, RequestStream, is_store_outage
 from .delivery import (
     AbortingStreamingResponse,
     ClientGone,
@@ -76,8 +76,7 @@ log = logging.getLogger("loraplex.engine.server")
 @dataclass(frozen=True)
 class Caller:
     trusted: bool  # presented the right internal token
-    tenant: str | None
-    tenant_weight: float = 1.0  # the tenant's fair share of the engine, from the gateway
+    tenant: wire.TenantRef = NO_TENANT  # with its fair share of the engine, from the gateway
 
 
 def tenant_weight(request: Request) -> float:
@@ -260,8 +259,8 @@ class ServerState:
                 wire.MISSING_INTERNAL_TOKEN,
             )
         if not trusted:
-            return Caller(False, None)
-        return Caller(True, request.headers.get(wire.TENANT_HEADER), tenant_weight(request))
+            return Caller(False)
+        return Caller(True, wire.TenantRef(request.headers.get(wire.TENANT_HEADER), tenant_weight(request)))
 
     # -- which model ----------------------------------------------------------------------------------
 
@@ -384,9 +383,7 @@ class ServerState:
     async def submit(self, job: Job) -> RequestStream:
         engine = self.serving()
         try:
-            return await engine.add_request(
-                job.prompt_ids, job.params, job.adapter, job.tenant, job.tenant_weight
-            )
+            return await engine.add_request(job.prompt_ids, job.params, job.adapter, job.tenant)
         except (QueueFull, OverShare, EngineUnavailable) as exc:  # OverShare: other tenants still get in
             raise failure_error(exc) from exc
         except UnknownAdapterError as exc:  # these two before ValueError: each is one
@@ -518,8 +515,7 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
             ids = prompt
         params = await state.params(body, len(ids), body.max_tokens, body.logprobs, adapter)
         job = Job(
-            False, body.model, adapter, ids, params, body.stream, body.include_usage, caller.tenant,
-            caller.tenant_weight,
+            False, body.model, adapter, ids, params, body.stream, body.include_usage, caller.tenant
         )  # fmt: skip
         return await _run(state, job, request)
 
@@ -540,8 +536,7 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
             raise bad_request(f"messages: {exc}", "messages") from exc
         params = await state.params(body, len(ids), body.token_limit, body.logprobs_wanted, adapter)
         job = Job(
-            True, body.model, adapter, ids, params, body.stream, body.include_usage, caller.tenant,
-            caller.tenant_weight,
+            True, body.model, adapter, ids, params, body.stream, body.include_usage, caller.tenant
         )  # fmt: skip
         return await _run(state, job, request)
 

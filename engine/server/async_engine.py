@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from loraplex.adapters import AdapterError, AdapterManifest, fetch_local
-from loraplex.wire import QUEUE_FULL
+from loraplex.wire import QUEUE_FULL, TenantRef
 from loraplex.wire.errors import (
     AdapterUnavailable,
     EngineUnavailable,
@@ -58,6 +58,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+NO_TENANT = TenantRef()  # a request without the gateway's tenant header
 
 # Steps failing one after another with nothing succeeding in between: the engine is broken, not a request.
 UNHEALTHY_AFTER_FAILURES = 3
@@ -216,15 +218,15 @@ class AsyncEngine:
         prompt_token_ids: Sequence[int],
         params: SamplingParams,
         adapter: str | None = None,
-        tenant: str | None = None,
-        tenant_weight: float = 1.0,
+        tenant: TenantRef = NO_TENANT,
     ) -> RequestStream:
         """Queue a request; returns once the engine accepted it (ValueError names what it refused)."""
+        tenant_id = tenant.tenant_id
         if not self.accepting:
             raise EngineUnavailable(self.not_ready_reason)
         with self._pending_lock:
             waiting = self.waiting + self._pending_adds
-            refusal = self._queued.refusal(self.queue_shares, tenant)
+            refusal = self._queued.refusal(self.queue_shares, tenant_id)
             if waiting >= self.max_queue or (refusal is not None and refusal.code == QUEUE_FULL):
                 self.metrics.requests_rejected.labels("queue_full").inc()
                 raise QueueFull(waiting, self.max_queue)
@@ -232,13 +234,13 @@ class AsyncEngine:
                 self.metrics.requests_rejected.labels("tenant_share").inc()
                 raise OverShare(refusal.message)
             self._pending_adds += 1
-            self._pending_by_tenant[tenant] = self._pending_by_tenant.get(tenant, 0) + 1
-            self._queued.take(tenant)
+            self._pending_by_tenant[tenant_id] = self._pending_by_tenant.get(tenant_id, 0) + 1
+            self._queued.take(tenant_id)
         stream = RequestStream(f"req-{uuid.uuid4().hex}")
         accepted = self._future()
         ids, arrival = list(prompt_token_ids), time.monotonic()
         self._post(
-            lambda: self._add(stream, ids, params, adapter, tenant, tenant_weight, arrival, accepted),
+            lambda: self._add(stream, ids, params, adapter, tenant, arrival, accepted),
             accepted,
         )
         try:
@@ -425,16 +427,15 @@ class AsyncEngine:
         ids: list[int],
         params: SamplingParams,
         adapter: str | None,
-        tenant: str | None,
-        tenant_weight: float,
+        tenant: TenantRef,
         arrival: float,
         accepted: asyncio.Future[None],
     ) -> None:
         with self._pending_lock:
             self._pending_adds -= 1
-            left = self._pending_by_tenant.pop(tenant) - 1
+            left = self._pending_by_tenant.pop(tenant.tenant_id) - 1
             if left:
-                self._pending_by_tenant[tenant] = left
+                self._pending_by_tenant[tenant.tenant_id] = left
         outcome: Exception | None = None
         try:
             self.engine.add_request(
@@ -442,18 +443,18 @@ class AsyncEngine:
                 params,
                 request_id=stream.request_id,
                 adapter=adapter,
-                tenant=tenant,
-                tenant_weight=tenant_weight,
+                tenant=tenant.tenant_id,
+                tenant_weight=tenant.weight,
             )
         except Exception as exc:  # the engine's refusal (wire/errors.py) goes to the caller as it is
             outcome = exc
         if outcome is not None:
             with self._pending_lock:  # taken at the post: it never reached the queue
-                self._queued.give(tenant)
+                self._queued.give(tenant.tenant_id)
             self._resolve(accepted, outcome)
             return
-        self._tracked[stream.request_id] = _Tracked(stream, tenant, arrival)
-        self.metrics.count_prompt(tenant, len(ids))
+        self._tracked[stream.request_id] = _Tracked(stream, tenant.tenant_id, arrival)
+        self.metrics.count_prompt(tenant.tenant_id, len(ids))
         self.waiting += 1  # until the next publish counts the queue again
         self._resolve(accepted, None)
 

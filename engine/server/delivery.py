@@ -17,6 +17,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from loraplex.wire import TenantRef
 from loraplex.wire.errors import OpenAIError, answer_code, failure_error
 
 from . import protocol
@@ -44,8 +45,7 @@ class Job:
     params: SamplingParams
     stream: bool
     include_usage: bool
-    tenant: str | None
-    tenant_weight: float = 1.0  # the tenant's share of a busy engine (the gateway's weight header)
+    tenant: TenantRef  # with its share of a busy engine (the gateway's weight header)
 
 
 def output_failure(output: RequestOutput, job: Job) -> OpenAIError | None:

@@ -7,6 +7,7 @@ import json
 import pytest
 from pydantic import ValidationError
 
+from loraplex import wire
 from loraplex.engine.request import TokenLogprob
 from loraplex.engine.server import protocol
 from loraplex.engine.server.metrics import ServerMetrics, TenantLabels, opaque_tenant_id
@@ -201,7 +202,7 @@ def test_engine_failures_map_to_the_wire_contract() -> None:
     from loraplex.engine.server.delivery import Job, output_failure
     from loraplex.wire.errors import AdapterUnavailable, RefusedAdapterError, failure_error
 
-    job = Job(False, "mine", "id:1", [1], SamplingParams(), False, False, "t")
+    job = Job(False, "mine", "id:1", [1], SamplingParams(), False, False, wire.TenantRef("t"))
     fields = dict(request_id="r", prompt=None, prompt_token_ids=[1], token_ids=[], text="", finished=True)
 
     def answer(code: str | None) -> protocol.OpenAIError | None:
