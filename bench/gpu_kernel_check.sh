@@ -14,7 +14,7 @@
 # Needs only a python with torch and triton (pytest too for the tests; without it they are skipped with
 # a note, and bench kernels still checks every kernel against the torch reference before timing it).
 # The package is not installed there: a shim directory maps `loraplex.<part>` onto each tree's folders
-# (pyproject's package-dir) through PYTHONPATH. Budget: about 5 minutes (each command has a timeout).
+# (pyproject's package-dir) through PYTHONPATH. Budget: at most 7 minutes (pytest 180 s, each bench 120 s).
 # `bench lora` is not run: it drives the engine on the CPU only (bench/lora.py: device "cpu"), so it
 # never reaches these kernels.
 set -uo pipefail
@@ -74,7 +74,7 @@ if [[ "$DEVICE" == cpu ]]; then
     echo "SKIPPED on the CPU (the suite runs them there)"
 elif "$PYTHON" -c 'import pytest' 2>/dev/null; then
     # addopts cleared: pyproject's --dist needs pytest-xdist, which a bare python lacks.
-    (cd "$REPO" && PYTHONPATH="$WORK/new" timeout 240 "$PYTHON" -m pytest -q -o addopts="" -p no:cacheprovider \
+    (cd "$REPO" && PYTHONPATH="$WORK/new" timeout 180 "$PYTHON" -m pytest -q -o addopts="" -p no:cacheprovider \
         tests/engine/kernels/test_lora_kernels.py tests/engine/kernels/test_attention_kernels.py 2>&1 | tail -15)
     [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
 else
@@ -84,7 +84,7 @@ fi
 # bench_kernels LABEL SHIM: the LoRA and decode-attention kernels at batch 1..256, bfloat16, as JSON.
 bench_kernels() {
     echo "== bench kernels: $1"
-    (cd "$WORK" && PYTHONPATH="$2" timeout 150 "$PYTHON" -m loraplex.bench kernels --device "$DEVICE" --json \
+    (cd "$WORK" && PYTHONPATH="$2" timeout 120 "$PYTHON" -m loraplex.bench kernels --device "$DEVICE" --json \
         --repeats 30 --warmup 5 "${small[@]}" > "$WORK/$1.json" 2> "$WORK/$1.err")
     local rc=$?
     if [[ $rc -ne 0 ]]; then
