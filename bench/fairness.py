@@ -147,7 +147,7 @@ def start_server(model: str, scheduling: str, args: argparse.Namespace) -> tuple
 async def _ttft(client: httpx.AsyncClient, url: str, tenant: str, prompt: list[int], tokens: int) -> float:
     from loraplex import wire
 
-    headers = wire.request_headers(TOKEN, tenant=tenant)
+    headers = wire.request_headers(TOKEN, wire.TenantRef(tenant))
     body = {"model": "base", "prompt": prompt, "max_tokens": tokens, "stream": True, "ignore_eos": True}
     if tenant == "B":
         # Every token of B's makes a chunk, even one that adds no text: a random model has no tokenizer,

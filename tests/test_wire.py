@@ -26,7 +26,7 @@ def test_imports_with_torch_fastapi_and_pydantic_blocked() -> None:
         "    sys.modules[name] = None  # any import of it raises ImportError\n"
         "from loraplex import wire\n"
         "ref = wire.AdapterRef('42', 'file:///a', 'ab' * 32)\n"
-        "assert wire.adapter_from_headers(wire.request_headers('t', 'tenant', ref)) == ref\n"
+        "assert wire.adapter_from_headers(wire.request_headers('t', wire.TenantRef('tenant'), ref)) == ref\n"
         "assert wire.adapter_id_of(wire.adapter_name('42')) == '42'\n"
         "error = wire.WireError('m', wire.SERVER_ERROR, wire.ENGINE_ERROR)\n"
         "assert wire.parse_error(__import__('json').dumps(error.body()).encode()) == error\n"
@@ -77,7 +77,7 @@ def test_other_names_are_not_the_gateways() -> None:
 
 def test_headers_round_trip_through_a_case_insensitive_reader() -> None:
     ref = wire.AdapterRef(str(uuid.uuid4()), "s3://bucket/adapters/x", SHA)
-    sent = wire.request_headers("secret", "tenant-a", ref)
+    sent = wire.request_headers("secret", wire.TenantRef("tenant-a"), ref)
     assert sent[wire.INTERNAL_TOKEN_HEADER] == "secret" and sent[wire.TENANT_HEADER] == "tenant-a"
     assert set(wire.GATEWAY_HEADERS) <= set(sent)
     received = {k.lower(): v for k, v in sent.items()}  # HTTP header names are case-insensitive
@@ -91,10 +91,10 @@ def test_headers_round_trip_through_a_case_insensitive_reader() -> None:
 
 
 def test_base_model_headers_name_no_adapter() -> None:
-    sent = wire.request_headers("secret", "tenant-a")
+    sent = wire.request_headers("secret", wire.TenantRef("tenant-a"))
     assert wire.ADAPTER_ID_HEADER not in sent and wire.ADAPTER_URI_HEADER not in sent
     assert wire.adapter_from_headers(sent) is None
-    unverified = wire.request_headers("s", "t", wire.AdapterRef("1", "file:///a"))
+    unverified = wire.request_headers("s", wire.TenantRef("t"), wire.AdapterRef("1", "file:///a"))
     assert wire.ADAPTER_SHA256_HEADER not in unverified
     assert wire.adapter_from_headers(unverified) == wire.AdapterRef("1", "file:///a", None)
 

@@ -168,6 +168,10 @@ class AdapterRef:
     def name(self) -> str:
         return adapter_name(self.adapter_id)
 
+    def registration(self) -> AdapterRegistration:
+        """How the engine registers it: under its engine name (`id:<adapter id>`)."""
+        return AdapterRegistration(self.name, self.uri, self.sha256)
+
 
 @dataclass(frozen=True)
 class TenantRef:
@@ -187,14 +191,16 @@ class BadHeaders(ValueError):
 
 
 def request_headers(
-    internal_token: str, tenant: str, adapter: AdapterRef | None = None, tenant_weight: float = 1.0
+    internal_token: str, tenant: TenantRef, adapter: AdapterRef | None = None
 ) -> dict[str, str]:
-    """The headers the gateway sends with a request: trust, tenant and its weight, and the adapter when
-    there is one."""
+    """The headers the gateway sends with a request: trust, the tenant (its id and weight), and the
+    adapter when there is one."""
+    if tenant.tenant_id is None:
+        raise ValueError("the gateway always names the tenant it sends a request for")
     headers = {
         INTERNAL_TOKEN_HEADER: internal_token,
-        TENANT_HEADER: tenant,
-        TENANT_WEIGHT_HEADER: repr(float(tenant_weight)),
+        TENANT_HEADER: tenant.tenant_id,
+        TENANT_WEIGHT_HEADER: repr(float(tenant.weight)),
     }
     if adapter is not None:
         headers[ADAPTER_ID_HEADER] = adapter.adapter_id

@@ -7,12 +7,9 @@ after its first output (or failure), so an adapter that cannot load still answer
 200 stream.
 
 Trust: the gateway sends the internal token with tenant and adapter headers, in the terms of the wire
-contract both sides import (loraplex.wire: header names, `id:` adapter names, error codes). With a token
-configured (LORAPLEX_INTERNAL_TOKEN, as on every cluster), nothing but /health and /ready (kubelet's
-probes) is served without it: 401, compared in constant time. /metrics needs it too (the operator's
-autoscaler sends it; Prometheus may send it as `Authorization: Bearer`, which only /metrics reads).
-Without a token configured, the tenant and adapter headers and the adapter-management endpoints are
-refused, and /v1/ serves the base model and the adapters registered at start (`loraplex serve` alone).
+contract both sides import (loraplex.wire: header names, `id:` adapter names, error codes); trust.py
+checks them. Adapters are fetched and registered by registrar.py; jobs.py builds a request's sampling
+parameters and submits it. `ServerState` only composes these with the engine's lifecycle.
 
 Hostile input: every request body is capped (limits.MAX_REQUEST_BODY_BYTES, 413 unread), and every field
 whose cost grows with its size is capped in protocol.py by the numbers of wire/limits.py (400 naming it).
@@ -21,37 +18,32 @@ whose cost grows with its size is capped in protocol.py by the numbers of wire/l
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import SecretStr
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from loraplex import wire
-from loraplex.adapters import AdapterError, AdapterManifest
+from loraplex.adapters import AdapterError
 from loraplex.wire import limits
 from loraplex.wire.errors import (
     AdapterUnavailable,
     EngineUnavailable,
     OpenAIError,
-    OverShare,
-    QueueFull,
     RefusedAdapterError,
     UnknownAdapterError,
     answer,
     failure_error,
 )
 
-from . import protocol
-from .async_engine import NO_TENANT, AdapterFetchFailed, AsyncEngine, RequestStream, is_store_outage
+from . import jobs, protocol
+from .async_engine import AsyncEngine
 from .delivery import (
     AbortingStreamingResponse,
     ClientGone,
@@ -63,41 +55,19 @@ from .delivery import (
 )
 from .metrics import ServerMetrics, TenantLabels, tenant_label_key
 from .protocol import bad_request
+from .registrar import ArtifactFetcher, Registrar
 from .settings import ServerSettings
+from .trust import InternalTokenGate, TrustGate
 
 if TYPE_CHECKING:
     from loraplex.engine.engine import LLMEngine
-    from loraplex.engine.lora.sources import AdapterFetcher
-    from loraplex.engine.sampling_params import SamplingParams
 
 log = logging.getLogger("loraplex.engine.server")
 
 
-@dataclass(frozen=True)
-class Caller:
-    trusted: bool  # presented the right internal token
-    tenant: wire.TenantRef = NO_TENANT  # with its fair share of the engine, from the gateway
-
-
-def tenant_weight(request: Request) -> float:
-    """The gateway's tenant weight header (read only from the token's holder): a positive finite
-    number, 1 when absent; anything else is the gateway's bug, refused with a 400 that says so."""
-    raw = request.headers.get(wire.TENANT_WEIGHT_HEADER)
-    if raw is None:
-        return 1.0
-    try:
-        weight = float(raw)
-    except ValueError:
-        weight = float("nan")
-    if not (0 < weight < float("inf")):
-        raise OpenAIError(
-            400, f"{wire.TENANT_WEIGHT_HEADER} must be a positive number, got {raw!r}", wire.INVALID_REQUEST
-        )
-    return weight
-
-
 class ServerState:
-    """What the routes share: settings, metrics, and the engine once it has loaded."""
+    """What the routes share, by job: settings and metrics, the trust checks (`trust`), the adapter
+    fetcher and registrar (`fetcher`, `registrar`), and the engine once it has loaded."""
 
     def __init__(
         self,
@@ -108,45 +78,13 @@ class ServerState:
         self.settings = settings
         self.metrics = metrics
         self.on_fatal = on_fatal
+        self.trust = TrustGate(settings.internal_token)
+        self.fetcher = ArtifactFetcher(settings)
+        self.registrar = Registrar(settings, self.fetcher, metrics)
         self.engine: AsyncEngine | None = None
         self.load_error: str | None = None
         self.draining = False
         self.created = protocol.now()
-        self._registering: dict[str, asyncio.Future[AdapterManifest]] = {}
-        self._fetcher: AdapterFetcher | None = None
-
-    async def local_adapter(self, uri: str, sha256: str | None) -> str:
-        """The adapter at `uri` as a local directory: fetched through LORAPLEX_ADAPTER_STORE (only URIs in
-        it) and its digest verified (engine/lora/sources.py). AdapterUnavailable when the store does not
-        answer; AdapterError when the adapter is not there or not what `sha256` names."""
-        from loraplex.adapters import DigestMismatch, StoreUnavailable
-        from loraplex.adapters.store import OutsideStore
-        from loraplex.engine.lora.sources import AdapterFetcher
-
-        if self._fetcher is None:
-            settings = self.settings
-            self._fetcher = AdapterFetcher.configure(
-                settings.adapter_store, settings.adapter_cache_dir(), settings.s3_endpoint_url
-            )
-        try:
-            directory = await asyncio.to_thread(
-                self._fetcher.fetch, self.settings.resolve_adapter_uri(uri), sha256
-            )
-        except StoreUnavailable as exc:  # not the adapter's fault
-            raise AdapterUnavailable(f"the adapter store could not be read: {exc}") from exc
-        except OSError as exc:  # the store or the cache disk failing, or a URI no file can have
-            if is_store_outage(exc):
-                raise AdapterUnavailable(f"the adapter store could not be read: {exc}") from exc
-            raise AdapterFetchFailed(f"nothing usable at {uri[:200]}: {exc.strerror}") from exc
-        except OutsideStore as exc:  # the control plane and this engine disagree on the store: not its fault
-            raise AdapterUnavailable(
-                f"{exc}; the control plane and the engines must share LORAPLEX_ADAPTER_STORE"
-            ) from exc
-        except DigestMismatch:
-            raise
-        except AdapterError as exc:
-            raise AdapterFetchFailed(str(exc)) from exc
-        return str(directory)
 
     async def boot(self, factory: Callable[[], LLMEngine]) -> None:
         """Load the model off the event loop, start the engine loop, register the start adapters."""
@@ -159,14 +97,15 @@ class ServerState:
             engine, self.metrics, self.settings.max_queue, queue_shares=self.settings.queue_shares()
         )
         async_engine.start()
-        for name, uri, sha256 in self.settings.start_adapters():
+        for adapter in self.settings.start_adapters():
             try:
-                await async_engine.register_adapter(name, await self.local_adapter(uri, sha256), sha256)
+                local = await self.fetcher.local_adapter(adapter.uri, adapter.sha256)
+                await async_engine.register_adapter(adapter.name, local, adapter.sha256)
             except (AdapterError, EngineUnavailable) as exc:
                 await async_engine.stop()
-                self._fatal(f"adapter {name!r} could not be registered: {exc}")
+                self._fatal(f"adapter {adapter.name!r} could not be registered: {exc}")
                 return
-            log.info("registered adapter %s from %s", name, uri)
+            log.info("registered adapter %s from %s", adapter.name, adapter.uri)
         self.engine = async_engine
         log.info("ready: serving %s", self.settings.model_name)
 
@@ -195,203 +134,6 @@ class ServerState:
             raise answer(EngineUnavailable, f"not ready: {self.not_ready_reason()}")
         assert self.engine is not None
         return self.engine
-
-    # -- trust ------------------------------------------------------------------------------------
-
-    def presented_token(self, request: Request) -> bool:
-        """True with the right internal token; False with none; a 401/403 with a wrong one."""
-        presented = request.headers.get(wire.INTERNAL_TOKEN_HEADER)
-        if presented is None:
-            return False
-        token = self.settings.internal_token
-        if token is None:
-            raise OpenAIError(
-                403,
-                "internal headers are refused: this server has no internal token (LORAPLEX_INTERNAL_TOKEN)",
-                wire.PERMISSION_ERROR,
-                wire.INTERNAL_TOKEN_NOT_CONFIGURED,
-            )
-        if not token_matches(presented, token):
-            raise OpenAIError(
-                401, "the internal token is wrong", wire.INVALID_REQUEST, wire.INVALID_INTERNAL_TOKEN
-            )
-        return True
-
-    def require_internal(self, request: Request) -> None:
-        if self.settings.internal_token is None:
-            raise OpenAIError(
-                403,
-                "adapter management is disabled: this server has no internal token (LORAPLEX_INTERNAL_TOKEN)",
-                wire.PERMISSION_ERROR,
-                wire.INTERNAL_TOKEN_NOT_CONFIGURED,
-            )
-        if not self.presented_token(request):
-            raise OpenAIError(
-                401,
-                f"adapter management needs the {wire.INTERNAL_TOKEN_HEADER} header",
-                wire.INVALID_REQUEST,
-                wire.MISSING_INTERNAL_TOKEN,
-            )
-
-    def caller(self, request: Request) -> Caller:
-        """Who is calling /v1/: with a token configured, only the holder of it (the gateway)."""
-        trusted = self.presented_token(request)
-        sent = [h for h in wire.GATEWAY_HEADERS if h in request.headers]
-        if sent and not trusted:
-            if self.settings.internal_token is None:
-                raise OpenAIError(
-                    403,
-                    f"{', '.join(sent)} refused: this server has no internal token configured",
-                    wire.PERMISSION_ERROR,
-                    wire.INTERNAL_TOKEN_NOT_CONFIGURED,
-                )
-            raise OpenAIError(
-                401,
-                f"{', '.join(sent)} need a valid {wire.INTERNAL_TOKEN_HEADER}",
-                wire.INVALID_REQUEST,
-                wire.MISSING_INTERNAL_TOKEN,
-            )
-        if not trusted and self.settings.internal_token is not None:
-            raise OpenAIError(
-                401,
-                f"this engine serves only the gateway: send the {wire.INTERNAL_TOKEN_HEADER} header",
-                wire.INVALID_REQUEST,
-                wire.MISSING_INTERNAL_TOKEN,
-            )
-        if not trusted:
-            return Caller(False)
-        return Caller(True, wire.TenantRef(request.headers.get(wire.TENANT_HEADER), tenant_weight(request)))
-
-    # -- which model ----------------------------------------------------------------------------------
-
-    def is_base_model(self, model: str) -> bool:
-        names = {self.settings.model_name}
-        if self.settings.model:
-            names.add(self.settings.model)
-        return model in names
-
-    async def adapter_for(self, request: Request, model: str, caller: Caller) -> str | None:
-        """The engine adapter a request names (None: the base model), registering the gateway's lazily."""
-        engine = self.serving()
-        if caller.trusted:
-            try:
-                gateway_adapter = wire.adapter_from_headers(request.headers)
-            except wire.BadHeaders as exc:
-                raise bad_request(str(exc), code=exc.code) from exc
-            if gateway_adapter is not None:
-                name = gateway_adapter.name
-                await self.ensure_adapter(engine, name, gateway_adapter.uri, gateway_adapter.sha256)
-                return name
-        if self.is_base_model(model):
-            return None
-        # A tenant's adapter is reached only through the adapter headers the gateway sets, never by its
-        # engine name in `model` (a body field a tenant writes), so no tenant can name another's.
-        if not wire.is_gateway_adapter(model) and engine.adapter(model) is not None:
-            return model
-        if caller.trusted:
-            return None  # the gateway resolved `model` to this deployment's base model
-        raise OpenAIError(
-            404, f"The model `{model}` does not exist.", wire.INVALID_REQUEST, wire.MODEL_NOT_FOUND
-        )
-
-    async def ensure_adapter(self, engine: AsyncEngine, name: str, uri: str, sha256: str | None) -> None:
-        """Register `name` unless it is already there with these weights; one registration at a time
-        per name, shared by the requests that arrive meanwhile (and not cancelled if one leaves)."""
-        known = engine.adapter(name)
-        fresh = known is not None and (sha256 is None or known.sha256 == sha256.lower())
-        if fresh and known is not None and known.failed is not None:
-            # The same weights failed here before: refused with the reason until other weights come.
-            raise answer(RefusedAdapterError, f"adapter {name!r}: {known.failed}")
-        if fresh:
-            return
-        pending = self._registering.get(name)
-        if pending is None:
-            pending = asyncio.ensure_future(self.register(engine, name, uri, sha256, for_gateway=True))
-            self._registering[name] = pending
-
-            def forget(done: asyncio.Future[AdapterManifest]) -> None:
-                self._registering.pop(name, None)
-                if not done.cancelled():
-                    done.exception()  # retrieved here, so an error nobody awaits logs no warning
-
-            pending.add_done_callback(forget)
-        await asyncio.shield(pending)
-
-    async def register(
-        self, engine: AsyncEngine, name: str, uri: str, sha256: str | None, for_gateway: bool = False
-    ) -> AdapterManifest:
-        """Register an adapter, answering an HTTP error that says why it was refused. For the gateway,
-        in the wire contract's terms: the adapter at fault (adapter_failed), or its store unreachable
-        (adapter_unavailable)."""
-        try:
-            manifest = await engine.register_adapter(name, await self.local_adapter(uri, sha256), sha256)
-        except AdapterUnavailable as exc:
-            self.metrics.adapter_registrations.labels("unavailable").inc()
-            raise answer(AdapterUnavailable, f"adapter {name!r}: {exc}") from exc
-        except AdapterError as exc:
-            fetch = isinstance(exc, AdapterFetchFailed)
-            self.metrics.adapter_registrations.labels("fetch_failed" if fetch else "invalid").inc()
-            if for_gateway:  # nothing there, or something there that fails validation or verification
-                raise answer(RefusedAdapterError, f"adapter {name!r}: {exc}") from exc
-            if fetch:
-                raise OpenAIError(
-                    400, f"adapter {name!r}: {exc}", wire.INVALID_REQUEST, wire.ADAPTER_FETCH_FAILED
-                ) from exc
-            raise OpenAIError(
-                422, f"adapter {name!r}: {exc}", wire.INVALID_REQUEST, wire.ADAPTER_INVALID
-            ) from exc
-        self.metrics.adapter_registrations.labels("ok").inc()
-        log.info("registered adapter %s from %s", name, uri)
-        return manifest
-
-    # -- running requests ---------------------------------------------------------------------------------
-
-    async def params(
-        self,
-        body: protocol._GenerationRequest,
-        prompt_len: int,
-        limit: int | None,
-        logprobs: int | None,
-        adapter: str | None = None,
-    ) -> SamplingParams:
-        """Sampling parameters, with the context checks a client can act on (400s naming the limits)."""
-        engine = self.serving()
-        context = engine.max_model_len
-        if prompt_len >= context:
-            raise bad_request(
-                f"This model's maximum context length is {context} tokens, and the prompt has {prompt_len} "
-                "tokens: it must be shorter to leave room for the completion.",
-                code=wire.CONTEXT_LENGTH_EXCEEDED,
-            )
-        if limit is not None and prompt_len + limit > context:
-            raise bad_request(
-                f"This model's maximum context length is {context} tokens. However, you requested "
-                f"{prompt_len + limit} tokens ({prompt_len} in the prompt, {limit} for the completion). "
-                "Please reduce the prompt or the completion length.",
-                "max_tokens",
-                wire.CONTEXT_LENGTH_EXCEEDED,
-            )
-        if limit is None:  # as much as the context (and the pool, less the adapter's pages) leaves
-            known = engine.adapter(adapter) if adapter is not None else None
-            pool_tokens = engine.pool_tokens - (known.pages if known else 0) * engine.page_size
-            limit = max(1, min(context, pool_tokens, limits.MAX_COMPLETION_TOKENS) - prompt_len)
-        try:
-            return body.sampling_params(limit, logprobs)
-        except ValueError as exc:  # limits.LimitExceeded among them: it names the field
-            raise bad_request(str(exc), getattr(exc, "param", None), limit_code(exc)) from exc
-
-    async def submit(self, job: Job) -> RequestStream:
-        engine = self.serving()
-        try:
-            return await engine.add_request(job.prompt_ids, job.params, job.adapter, job.tenant)
-        except (QueueFull, OverShare, EngineUnavailable) as exc:  # OverShare: other tenants still get in
-            raise failure_error(exc) from exc
-        except UnknownAdapterError as exc:  # these two before ValueError: each is one
-            raise answer(UnknownAdapterError, f"The model `{job.model}` does not exist.") from exc
-        except RefusedAdapterError as exc:
-            raise answer(RefusedAdapterError, f"adapter {job.model!r}: {exc}") from exc
-        except ValueError as exc:  # the engine's own checks (pool size, vocabulary) name the limit
-            raise bad_request(str(exc), getattr(exc, "param", None), limit_code(exc)) from exc
 
 
 def create_app(
@@ -480,7 +222,7 @@ def _add_probe_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
-        state.caller(request)
+        state.trust.caller(request)
         engine = state.serving()
         base = state.settings.model_name
 
@@ -501,10 +243,10 @@ def _add_probe_routes(app: FastAPI, state: ServerState) -> None:
 def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/completions", response_model=None)
     async def completions(body: protocol.CompletionRequest, request: Request) -> Response:
-        caller = state.caller(request)
+        caller = state.trust.caller(request)
         body.refuse_unsupported()
         engine = state.serving()
-        adapter = await state.adapter_for(request, body.model, caller)
+        adapter = await state.registrar.adapter_for(engine, request, body.model, caller)
         prompt = body.single_prompt()
         tokenizer = engine.tokenizer
         if isinstance(prompt, str):
@@ -513,7 +255,7 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
             ids = await asyncio.to_thread(tokenizer.encode, prompt)
         else:
             ids = prompt
-        params = await state.params(body, len(ids), body.max_tokens, body.logprobs, adapter)
+        params = jobs.sampling_params(engine, body, len(ids), body.max_tokens, body.logprobs, adapter)
         job = Job(
             False, body.model, adapter, ids, params, body.stream, body.include_usage, caller.tenant
         )  # fmt: skip
@@ -521,10 +263,10 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(body: protocol.ChatCompletionRequest, request: Request) -> Response:
-        caller = state.caller(request)
+        caller = state.trust.caller(request)
         body.refuse_unsupported()
         engine = state.serving()
-        adapter = await state.adapter_for(request, body.model, caller)
+        adapter = await state.registrar.adapter_for(engine, request, body.model, caller)
         tokenizer = engine.tokenizer
         if tokenizer is None:
             raise bad_request("this model has no tokenizer, so it has no chat template", "messages")
@@ -534,7 +276,7 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
             raise
         except Exception as exc:  # the template refused the conversation, or the tokenizer did
             raise bad_request(f"messages: {exc}", "messages") from exc
-        params = await state.params(body, len(ids), body.token_limit, body.logprobs_wanted, adapter)
+        params = jobs.sampling_params(engine, body, len(ids), body.token_limit, body.logprobs_wanted, adapter)
         job = Job(
             True, body.model, adapter, ids, params, body.stream, body.include_usage, caller.tenant
         )  # fmt: skip
@@ -543,7 +285,7 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
 
 async def _run(state: ServerState, job: Job, request: Request) -> Response:
     engine = state.serving()
-    stream = await state.submit(job)
+    stream = await jobs.submit(engine, job)
     tokenizer = engine.tokenizer
 
     def text_of(token_id: int) -> str:
@@ -578,7 +320,7 @@ async def _run(state: ServerState, job: Job, request: Request) -> Response:
 def _add_adapter_routes(app: FastAPI, state: ServerState) -> None:
     @app.get(wire.ADAPTERS_PATH)
     async def list_adapters(request: Request) -> dict[str, Any]:
-        state.require_internal(request)
+        state.trust.require_internal(request)
         engine = state.serving()
 
         data = [
@@ -597,20 +339,20 @@ def _add_adapter_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post(wire.ADAPTERS_PATH, status_code=201, response_model=None)
     async def register_adapter(body: protocol.AdapterRegistration, request: Request) -> wire.Registered:
-        state.require_internal(request)
+        state.trust.require_internal(request)
         engine = state.serving()
-        if state.is_base_model(body.name):
+        if state.registrar.is_base_model(body.name):
             raise bad_request(f"{body.name!r} is the base model's name; pick another adapter name", "name")
-        manifest = await state.register(engine, body.name, body.uri, body.sha256)
+        manifest = await state.registrar.register(engine, body.registration())
         return wire.Registered(name=body.name, sha256=manifest.sha256, registered=True)
 
     @app.post(wire.PREWARM_PATH, response_model=None)
     async def prewarm_adapter(body: protocol.AdapterRegistration, request: Request) -> wire.Prewarmed:
-        state.require_internal(request)
+        state.trust.require_internal(request)
         engine = state.serving()
-        if state.is_base_model(body.name):
+        if state.registrar.is_base_model(body.name):
             raise bad_request(f"{body.name!r} is the base model's name; pick another adapter name", "name")
-        await state.ensure_adapter(engine, body.name, body.uri, body.sha256)
+        await state.registrar.ensure_adapter(engine, body.registration())
         try:
             level = await engine.warm_adapter(body.name)
         except UnknownAdapterError as exc:  # unregistered again between the two calls: worth a retry
@@ -626,7 +368,7 @@ def _add_adapter_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.delete(wire.ADAPTERS_PATH + "/{name:path}", response_model=None)
     async def unregister_adapter(name: str, request: Request) -> wire.Unregistered:
-        state.require_internal(request)
+        state.trust.require_internal(request)
         engine = state.serving()
         try:
             forgotten = await engine.unregister_adapter(name)
@@ -638,63 +380,6 @@ def _add_adapter_routes(app: FastAPI, state: ServerState) -> None:
         # forgotten (pages and host copy freed) when the last one ends.
         log.info("unregistered adapter %s%s", name, "" if forgotten else " (draining)")
         return wire.Unregistered(name=name, deleted=True, draining=not forgotten)
-
-
-def limit_code(exc: ValueError) -> str | None:
-    """The error code of a refused value: limit_exceeded for a bound of wire/limits.py, none for the rest."""
-    return wire.LIMIT_EXCEEDED if isinstance(exc, limits.LimitExceeded) else None
-
-
-def token_matches(presented: str, token: SecretStr) -> bool:
-    """Constant time in the token: a guess learns nothing from how long the answer takes."""
-    return hmac.compare_digest(presented.encode(), token.get_secret_value().encode())
-
-
-OPEN_PATHS = frozenset({"/health", "/ready"})  # kubelet's probes carry no token
-# Behind the token like the API (it shows what each adapter and tenant is doing); Prometheus can send a
-# bearer token from a Secret but no header of ours, so this path also reads `Authorization: Bearer`.
-METRICS_PATH = "/metrics"
-
-
-class InternalTokenGate:
-    """With a token configured, every path but OPEN_PATHS answers 401 to a request without it before
-    its body is read or parsed (the API, its OpenAPI document, adapter management, metrics): a stranger
-    learns nothing of the API and costs the engine nothing."""
-
-    def __init__(self, app: ASGIApp, token: SecretStr | None):
-        self.app = app
-        self.token = token
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self.token is None or scope["type"] != "http" or scope["path"] in OPEN_PATHS:
-            await self.app(scope, receive, send)
-            return
-        headers = dict(scope["headers"])
-        presented = headers.get(wire.INTERNAL_TOKEN_HEADER.lower().encode())
-        metrics = scope["path"] == METRICS_PATH
-        if presented is None and metrics:
-            presented = bearer_token(headers.get(b"authorization"))
-        if presented is not None and token_matches(presented.decode("latin-1"), self.token):
-            await self.app(scope, receive, send)
-            return
-        missing = presented is None
-        asked = f"the {wire.INTERNAL_TOKEN_HEADER} header" + (" or Authorization: Bearer" if metrics else "")
-        body = wire.error_body(
-            f"this engine serves only the gateway: send {asked}"
-            if missing
-            else "the internal token is wrong",
-            wire.INVALID_REQUEST,
-            wire.MISSING_INTERNAL_TOKEN if missing else wire.INVALID_INTERNAL_TOKEN,
-        )
-        await JSONResponse(body, 401)(scope, receive, send)
-
-
-def bearer_token(authorization: bytes | None) -> bytes | None:
-    """The token of an `Authorization: Bearer <token>` header (any case of the scheme); None without one."""
-    if authorization is None:
-        return None
-    scheme, _, token = authorization.strip().partition(b" ")
-    return token.strip() if scheme.lower() == b"bearer" and token.strip() else None
 
 
 class BodySizeLimit:

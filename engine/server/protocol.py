@@ -275,6 +275,9 @@ class AdapterRegistration(BaseModel):
     uri: str = Field(min_length=1, max_length=wire.MAX_ADAPTER_URI_CHARS)
     sha256: str | None = Field(default=None, pattern=r"^[0-9a-fA-F]{64}$")
 
+    def registration(self) -> wire.AdapterRegistration:
+        return wire.AdapterRegistration(self.name, self.uri, self.sha256)
+
 
 # -- responses ----------------------------------------------------------------------------------------
 

@@ -193,7 +193,7 @@ class ServerSettings(_EngineOptions):
     def queue_shares(self) -> Shares:
         return queue_shares_of(self.max_queue, self.queue_tenant_floor, self.queue_reserve_fraction)
 
-    def start_adapters(self) -> list[tuple[str, str, str | None]]:
+    def start_adapters(self) -> list[wire.AdapterRegistration]:
         return [parse_adapter_arg(item) for item in self.adapters]
 
     def adapter_cache_dir(self) -> Path:
@@ -292,8 +292,8 @@ def model_path(model: str) -> str:
     return model
 
 
-def parse_adapter_arg(item: str) -> tuple[str, str, str | None]:
-    """NAME=PATH_OR_URI, optionally @SHA256 at the end: (name, uri, sha256 or None)."""
+def parse_adapter_arg(item: str) -> wire.AdapterRegistration:
+    """NAME=PATH_OR_URI, optionally @SHA256 at the end (else no digest)."""
     name, sep, uri = item.partition("=")
     if not sep or not name.strip() or not uri.strip():
         raise ValueError(f"adapter {item!r}: expected NAME=PATH_OR_URI (optionally @SHA256 at the end)")
@@ -306,7 +306,7 @@ def parse_adapter_arg(item: str) -> tuple[str, str, str | None]:
             f"adapter name {name!r}: names starting with {wire.ADAPTER_NAME_PREFIX!r} are reserved for the "
             "gateway"
         )
-    return name.strip(), uri.strip(), sha256
+    return wire.AdapterRegistration(name.strip(), uri.strip(), sha256)
 
 
 if __name__ == "__main__":  # `python -m loraplex.engine.server.settings`: the table docs/server.md carries

@@ -35,6 +35,7 @@ from loraplex.engine.options import (
 from loraplex.engine.server.settings import ALL_OPTIONS, SERVER_OPTIONS, ServerSettings, model_path
 from loraplex.operator.resources import desired_objects
 from loraplex.operator.spec import parse
+from loraplex.wire import AdapterRegistration
 from tests.operator.helpers import EXAMPLES, body
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
@@ -176,7 +177,7 @@ def test_a_bad_adapters_variable_is_refused(monkeypatch: pytest.MonkeyPatch) -> 
     with pytest.raises(OptionError, match="LORAPLEX_ADAPTERS must be a JSON list of strings"):
         ServerSettings()
     monkeypatch.setenv("LORAPLEX_ADAPTERS", '["a=/x"]')
-    assert ServerSettings().start_adapters() == [("a", "/x", None)]
+    assert ServerSettings().start_adapters() == [AdapterRegistration("a", "/x", None)]
 
 
 # --- every option round-trips -------------------------------------------------------------------------

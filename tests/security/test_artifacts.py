@@ -354,12 +354,11 @@ def test_an_unreachable_store_refuses_the_upload_and_says_which(
 # -- the engine's side: it fetches only from its store, and verifies every read ------------------------------
 
 
-def engine_state(tmp_path: Path, **settings: object):  # type: ignore[no-untyped-def]
-    from loraplex.engine.server.app import ServerState
-    from loraplex.engine.server.metrics import ServerMetrics
+def engine_fetcher(tmp_path: Path, **settings: object):  # type: ignore[no-untyped-def]
+    from loraplex.engine.server.registrar import ArtifactFetcher
     from loraplex.engine.server.settings import ServerSettings
 
-    return ServerState(ServerSettings(model_cache=tmp_path / "cache", **settings), ServerMetrics())
+    return ArtifactFetcher(ServerSettings(model_cache=tmp_path / "cache", **settings))
 
 
 def test_the_engine_refuses_an_adapter_changed_after_registration(peft_dir: Path, tmp_path: Path) -> None:
@@ -392,19 +391,21 @@ def test_the_engine_fetches_only_from_its_store(peft_dir: Path, tmp_path: Path) 
     store = LocalArtifactStore(tmp_path / "store")
     digest = adapter_digest(peft_dir)
     uri = store.put(peft_dir, digest)
-    state = engine_state(tmp_path, adapter_store=str(store.root))
-    assert asyncio.run(state.local_adapter(uri, digest)) == str(local_path(uri))
-    assert asyncio.run(state.local_adapter(digest, digest)) == str(local_path(uri))  # relative: in the store
+    fetcher = engine_fetcher(tmp_path, adapter_store=str(store.root))
+    assert asyncio.run(fetcher.local_adapter(uri, digest)) == str(local_path(uri))
+    assert asyncio.run(fetcher.local_adapter(digest, digest)) == str(
+        local_path(uri)
+    )  # relative: in the store
     # Outside the store: refused, and not blamed on the adapter (the control plane, which sent the URI,
     # and this engine are configured with different stores).
     with pytest.raises(
         AdapterUnavailable, match=r"outside the artifact store.*must share LORAPLEX_ADAPTER_STORE"
     ):
-        asyncio.run(state.local_adapter(peft_dir.as_uri(), digest))
+        asyncio.run(fetcher.local_adapter(peft_dir.as_uri(), digest))
     with pytest.raises(AdapterFetchFailed, match="no adapter at"):  # inside it, but nothing there
-        asyncio.run(state.local_adapter(f"{store.root}/{'0' * 64}", None))
+        asyncio.run(fetcher.local_adapter(f"{store.root}/{'0' * 64}", None))
     with pytest.raises(DigestMismatch):  # the gateway's digest is not what the store holds
-        asyncio.run(state.local_adapter(uri, "0" * 64))
+        asyncio.run(fetcher.local_adapter(uri, "0" * 64))
 
 
 def test_an_unreachable_store_is_unavailable_to_the_engine_not_a_fault(
@@ -418,10 +419,10 @@ def test_an_unreachable_store_is_unavailable_to_the_engine_not_a_fault(
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         closed = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    state = engine_state(tmp_path, adapter_store="s3://artifacts/lpx", s3_endpoint_url=closed)
+    fetcher = engine_fetcher(tmp_path, adapter_store="s3://artifacts/lpx", s3_endpoint_url=closed)
     digest = adapter_digest(peft_dir)
     with pytest.raises(AdapterUnavailable, match="could not be read"):
-        asyncio.run(state.local_adapter(f"s3://artifacts/lpx/{digest}", digest))
+        asyncio.run(fetcher.local_adapter(f"s3://artifacts/lpx/{digest}", digest))
 
 
 @pytest.mark.parametrize("database", ["sqlite", "postgres"])

@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from loraplex.engine.server import app as server_app
+from loraplex.engine.server import trust
 from tests.engine.server.conftest import BASE, INTERNAL, TOKEN, Server, running_server
 
 CHAT = {"model": BASE, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "temperature": 0}
@@ -79,6 +79,6 @@ def test_the_token_is_compared_in_constant_time(server: Server, monkeypatch: pyt
         compared.append((a, b))
         return real(a, b)
 
-    monkeypatch.setattr(server_app.hmac, "compare_digest", spy)
+    monkeypatch.setattr(trust.hmac, "compare_digest", spy)
     assert call(server, "GET", "/v1/models", None, {"X-Loraplex-Internal-Token": "guess"}).status_code == 401
     assert (b"guess", TOKEN.encode()) in compared

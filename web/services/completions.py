@@ -279,9 +279,8 @@ class Gateway:
         wants_usage: bool = False,
     ) -> Completion | CompletionStream:
         target = call.target
-        headers = gateway.upstream_headers(
-            target, call.principal.tenant_id, self.engine_token, call.principal.fair_share_weight
-        )
+        tenant = wire.TenantRef(str(call.principal.tenant_id), call.principal.fair_share_weight)
+        headers = gateway.upstream_headers(target, tenant, self.engine_token)
         try:
             upstream, work = await self._open(target, endpoint, content, headers, prompt_estimate)
         except httpx.TimeoutException:

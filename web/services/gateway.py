@@ -105,10 +105,8 @@ def _model(name: str, created: Any, owner: str) -> dict[str, Any]:
     return {"id": name, "object": "model", "created": int(created.timestamp()), "owned_by": owner}
 
 
-def upstream_headers(
-    target: Target, tenant_id: uuid.UUID, internal_token: str, fair_share_weight: float = 1.0
-) -> dict[str, str]:
-    return wire.request_headers(internal_token, str(tenant_id), target.adapter, fair_share_weight)
+def upstream_headers(target: Target, tenant: wire.TenantRef, internal_token: str) -> dict[str, str]:
+    return wire.request_headers(internal_token, tenant, target.adapter)
 
 
 # -- what a tenant's request body may hold --------------------------------------------------------------

@@ -15,7 +15,7 @@ from .conftest import TOKEN, ServerFactory
 
 
 def headers(tenant: str, weight: float = 1.0) -> dict[str, str]:
-    return wire.request_headers(TOKEN, tenant=tenant, tenant_weight=weight)
+    return wire.request_headers(TOKEN, wire.TenantRef(tenant, weight))
 
 
 def test_the_weight_header_divides_the_tenants_counter(make_server: ServerFactory) -> None:

@@ -12,7 +12,7 @@ from loraplex.engine.request import TokenLogprob
 from loraplex.engine.server import protocol
 from loraplex.engine.server.metrics import ServerMetrics, TenantLabels, opaque_tenant_id
 from loraplex.engine.server.settings import ServerSettings, parse_adapter_arg
-from loraplex.wire import limits
+from loraplex.wire import AdapterRegistration, limits
 
 
 def test_settings_come_from_the_environment_and_flags_win(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -55,9 +55,9 @@ def test_model_names() -> None:
 
 def test_adapter_arguments() -> None:
     sha = "ab" * 32
-    assert parse_adapter_arg("a=/x/y") == ("a", "/x/y", None)
-    assert parse_adapter_arg(f"a=file:///x/y@{sha.upper()}") == ("a", "file:///x/y", sha)
-    assert parse_adapter_arg("a=/x/y@notahash") == ("a", "/x/y@notahash", None)
+    assert parse_adapter_arg("a=/x/y") == AdapterRegistration("a", "/x/y", None)
+    assert parse_adapter_arg(f"a=file:///x/y@{sha.upper()}") == AdapterRegistration("a", "file:///x/y", sha)
+    assert parse_adapter_arg("a=/x/y@notahash") == AdapterRegistration("a", "/x/y@notahash", None)
     stored = ServerSettings(adapter_store="file:///store")
     assert stored.resolve_adapter_uri("abc") == "file:///store/abc"
     assert stored.resolve_adapter_uri("/abs/abc") == "/abs/abc"
