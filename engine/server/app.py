@@ -27,6 +27,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from loraplex import wire
@@ -197,8 +198,18 @@ def _install_error_handlers(app: FastAPI) -> None:
         message = f"{where}: {first.get('msg')}" if where else str(first.get("msg"))
         return JSONResponse(wire.error_body(message, wire.INVALID_REQUEST, param=where or None), 400)
 
+    async def http_error(request: Request, exc: Exception) -> Response:
+        # Starlette's own answers (no such route: 404, a method the route does not take: 405) in
+        # OpenAI's shape too, so a client reads every error of this server the same way.
+        assert isinstance(exc, StarletteHTTPException)
+        if exc.status_code not in (404, 405):
+            return JSONResponse({"detail": exc.detail}, exc.status_code, headers=exc.headers)
+        error = wire.route_error(exc.status_code, request.method, request.url.path)
+        return JSONResponse(error.body(), exc.status_code, headers=exc.headers)
+
     app.add_exception_handler(OpenAIError, openai_error)
     app.add_exception_handler(RequestValidationError, validation_error)
+    app.add_exception_handler(StarletteHTTPException, http_error)
 
 
 def _add_probe_routes(app: FastAPI, state: ServerState) -> None:
@@ -220,13 +231,12 @@ def _add_probe_routes(app: FastAPI, state: ServerState) -> None:
     async def metrics() -> Response:
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
-    async def models(request: Request) -> dict[str, Any]:
-        state.trust.caller(request)
-        engine = state.serving()
+    def model_cards(engine: AsyncEngine) -> list[dict[str, Any]]:
+        """OpenAI's model objects (with vLLM's root and parent): the base model, then the adapters
+        registered by name (the gateway's `id:` ones are its own business)."""
         base = state.settings.model_name
 
-        def entry(name: str, parent: str | None) -> dict[str, Any]:
+        def card(name: str, parent: str | None) -> dict[str, Any]:
             return {
                 "id": name,
                 "object": "model",
@@ -237,7 +247,20 @@ def _add_probe_routes(app: FastAPI, state: ServerState) -> None:
             }
 
         adapters = [name for name in engine.adapter_names() if not wire.is_gateway_adapter(name)]
-        return {"object": "list", "data": [entry(base, None), *(entry(n, base) for n in adapters)]}
+        return [card(base, None), *(card(n, base) for n in adapters)]
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict[str, Any]:
+        state.trust.caller(request)
+        return {"object": "list", "data": model_cards(state.serving())}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, request: Request) -> dict[str, Any]:
+        state.trust.caller(request)
+        found = next((c for c in model_cards(state.serving()) if c["id"] == model_id), None)
+        if found is None:
+            raise OpenAIError.of(404, wire.model_not_found(model_id))
+        return found
 
 
 def _add_generation_routes(app: FastAPI, state: ServerState) -> None:

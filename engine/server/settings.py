@@ -38,7 +38,6 @@ from loraplex.engine.options import (
 )
 from loraplex.wire.shares import Shares
 
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 log = logging.getLogger("loraplex.engine.server")
 
 
@@ -74,7 +73,8 @@ class ServerSettings(_EngineOptions):
     served_model_name: Annotated[
         str | None,
         Opt(
-            "the base model's id in the API", none="the model file's name without .gguf (org/name for hf://)"
+            "the base model's id in the API",
+            none="the model file's name without .gguf (org/name for hf://; the bundled SmolLM2: its HF id)",
         ),
     ] = None
     host: Annotated[str, Opt("address to listen on")] = "0.0.0.0"
@@ -184,11 +184,9 @@ class ServerSettings(_EngineOptions):
         """The id clients send as `model` for the base model (and /v1/models lists)."""
         if self.served_model_name:
             return self.served_model_name
-        if self.model is None:
-            return DEFAULT_MODEL_NAME
-        from loraplex.engine.model.sources import served_name
+        from loraplex.engine.model.sources import BUNDLED_MODEL_ID, served_name
 
-        return served_name(self.model)
+        return BUNDLED_MODEL_ID if self.model is None else served_name(self.model)
 
     def queue_shares(self) -> Shares:
         return queue_shares_of(self.max_queue, self.queue_tenant_floor, self.queue_reserve_fraction)

@@ -246,6 +246,34 @@ def test_openai_sdk_against_the_gateway(setup: Setup) -> None:
         client.chat.completions.create(model="poet", messages=[{"role": "user", "content": "hi"}])
 
 
+def test_models_retrieve_root_parent_and_openai_route_errors(setup: Setup) -> None:
+    client = openai.OpenAI(base_url=f"{setup.url}/v1", api_key=setup.key, max_retries=0, timeout=10)
+    cards = {m.id: m.model_dump() for m in client.models.list()}
+    assert cards["tiny-llama"]["root"] == "tiny-llama" and cards["tiny-llama"]["parent"] is None
+    assert cards["poet"]["root"] == cards["poet"]["parent"] == "tiny-llama"  # vLLM's: the adapter's base
+    assert client.models.retrieve("poet").model_dump() == cards["poet"]
+    assert client.models.retrieve("tiny-llama").model_dump() == cards["tiny-llama"]
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.models.retrieve("no-such-model")
+    assert missing.value.code == "model_not_found"
+
+    _, other_headers = Api(setup.admin).tenant_with_key("other")
+    intruder = openai.OpenAI(
+        base_url=f"{setup.url}/v1", api_key=other_headers["Authorization"][7:], max_retries=0, timeout=10
+    )
+    with pytest.raises(openai.NotFoundError) as hidden:  # another tenant's adapter reads as missing
+        intruder.models.retrieve("poet")
+    assert hidden.value.body == json.loads(json.dumps(missing.value.body).replace("no-such-model", "poet"))
+
+    with httpx.Client(base_url=setup.url, headers=setup.headers, timeout=10) as http:
+        for method, path, status in (("GET", "/v1/nothing", 404), ("GET", "/v1/chat/completions", 405)):
+            response = http.request(method, path)
+            assert response.status_code == status
+            error = response.json()["error"]
+            assert set(error) == {"message", "type", "param", "code"} and path in error["message"]
+        assert "detail" in http.get("/api/v1/nothing").json()  # the other APIs keep FastAPI's shape
+
+
 def test_usage_summary_by_day_and_model(setup: Setup) -> None:
     with httpx.Client(base_url=setup.url, headers=setup.headers, timeout=10) as client:
         for _ in range(2):

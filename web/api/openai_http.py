@@ -6,9 +6,10 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.exception_handlers import request_validation_exception_handler
+from fastapi.exception_handlers import http_exception_handler, request_validation_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
 from loraplex import wire
@@ -33,16 +34,30 @@ def field_of(error: Any) -> str:
 
 
 async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
-    if request.url.path.startswith("/v1/"):
+    if _is_openai_path(request.url.path):
         first = exc.errors()[0] if exc.errors() else {"msg": "invalid request", "loc": ()}
         where = field_of(first)
         return _error_response(400, f"{where}: {first.get('msg')}", wire.INVALID_REQUEST, param=where)
     return await request_validation_exception_handler(request, exc)
 
 
+def _is_openai_path(path: str) -> bool:
+    return path == "/v1" or path.startswith("/v1/")
+
+
+async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+    """Under /v1 even the framework's answers (no such route: 404, a method it does not take: 405) are in
+    OpenAI's shape, so an OpenAI client reads them; the other APIs keep FastAPI's `{"detail": ...}`."""
+    if _is_openai_path(request.url.path) and exc.status_code in (404, 405):
+        error = wire.route_error(exc.status_code, request.method, request.url.path)
+        return JSONResponse(error.body(), status_code=exc.status_code, headers=exc.headers)
+    return await http_exception_handler(request, exc)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(OpenAIError, _openai_error)  # type: ignore[arg-type]
     app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
+    app.add_exception_handler(StarletteHTTPException, _http_error)  # type: ignore[arg-type]
 
 
 def _retry_headers(retry_after: int | None) -> dict[str, str] | None:

@@ -85,11 +85,12 @@ def _adapter_target(adapter: Adapter) -> Target:
 
 
 def list_models(session: Session, tenant_id: uuid.UUID) -> list[dict[str, Any]]:
-    """OpenAI model objects: every deployment's base model, then this tenant's ready adapters."""
+    """OpenAI model objects with vLLM's `root` and `parent`: every deployment's base model (its own root,
+    no parent), then this tenant's ready adapters (root and parent: the base model they fit)."""
     models: dict[str, dict[str, Any]] = {}
     for deployment in session.scalars(select(Deployment).order_by(Deployment.name)):
         models.setdefault(
-            deployment.base_model, _model(deployment.base_model, deployment.created_at, "loraplex")
+            deployment.base_model, _model(deployment.base_model, deployment.created_at, "loraplex", None)
         )
     adapters = session.scalars(
         select(Adapter)
@@ -97,12 +98,25 @@ def list_models(session: Session, tenant_id: uuid.UUID) -> list[dict[str, Any]]:
         .order_by(Adapter.name)
     )
     for adapter in adapters:
-        models[adapter.name] = _model(adapter.name, adapter.created_at, "tenant")
+        base = adapter.deployment.base_model
+        models[adapter.name] = _model(adapter.name, adapter.created_at, "tenant", base)
     return list(models.values())
 
 
-def _model(name: str, created: Any, owner: str) -> dict[str, Any]:
-    return {"id": name, "object": "model", "created": int(created.timestamp()), "owned_by": owner}
+def find_model(session: Session, tenant_id: uuid.UUID, model: str) -> dict[str, Any] | None:
+    """The model object `GET /v1/models/{model}` answers: one of list_models' (None: not this tenant's)."""
+    return next((m for m in list_models(session, tenant_id) if m["id"] == model), None)
+
+
+def _model(name: str, created: Any, owner: str, parent: str | None) -> dict[str, Any]:
+    return {
+        "id": name,
+        "object": "model",
+        "created": int(created.timestamp()),
+        "owned_by": owner,
+        "root": parent or name,
+        "parent": parent,
+    }
 
 
 def upstream_headers(target: Target, tenant: wire.TenantRef, internal_token: str) -> dict[str, str]:

@@ -25,7 +25,7 @@ from loraplex.engine.server.settings import ServerSettings
 
 REPO = Path(__file__).resolve().parents[3]
 DEMO_ADAPTER = REPO / "fixtures" / "adapters" / "demo-uppercase"
-BASE = "SmolLM2-135M-Instruct"
+BASE = "HuggingFaceTB/SmolLM2-135M-Instruct"
 TOKEN = "internal-test-token"
 INTERNAL = {"X-Loraplex-Internal-Token": TOKEN}
 

@@ -242,3 +242,29 @@ def test_error_bodies_are_openai_shaped(server: Server) -> None:
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
     assert error["type"] == "invalid_request_error" and "messages" in error["message"]
+
+
+def test_models_retrieve_and_its_404(server: Server) -> None:
+    sdk = client(server)
+    base = sdk.models.retrieve(BASE)  # the Hugging Face id, with its slash, as the control plane names it
+    assert base.id == BASE == "HuggingFaceTB/SmolLM2-135M-Instruct" and base.object == "model"
+    adapter = sdk.models.retrieve("uppercase")
+    assert adapter.model_dump()["parent"] == BASE and adapter.model_dump()["root"] == BASE
+    assert adapter.model_dump() in [m.model_dump() for m in sdk.models.list()]
+    with pytest.raises(openai.NotFoundError) as missing:
+        sdk.models.retrieve("no-such-model")
+    assert missing.value.code == "model_not_found" and "no-such-model" in missing.value.message
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "status"),
+    [("GET", "/v1/no-such-route", 404), ("POST", "/v1/embeddings", 404), ("GET", "/v1/completions", 405)],
+)
+def test_unknown_routes_and_methods_answer_openai_errors(
+    server: Server, method: str, path: str, status: int
+) -> None:
+    response = httpx.request(method, f"{server.url}{path}", headers=INTERNAL, timeout=10)
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
+    assert path in error["message"]

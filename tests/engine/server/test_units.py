@@ -46,7 +46,10 @@ def test_bad_settings_are_refused() -> None:
 
 
 def test_model_names() -> None:
-    assert ServerSettings().model_name == "SmolLM2-135M-Instruct"
+    # The bundled model answers to its Hugging Face id, as the control plane names it.
+    assert ServerSettings().model_name == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    bundled = "file:///models/SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert ServerSettings(model=bundled).model_name == "HuggingFaceTB/SmolLM2-135M-Instruct"
     assert ServerSettings(model="file:///models/Llama-3.2-1B.Q4_0.gguf").model_name == "Llama-3.2-1B.Q4_0"
     assert ServerSettings(model="/models/llama-dir").model_name == "llama-dir"
     assert ServerSettings(model="/m/x.gguf", served_model_name="prod").model_name == "prod"

@@ -91,6 +91,20 @@ async def list_models(request: Request, principal: GatewayTenant) -> dict[str, A
     return {"object": "list", "data": await run_in_threadpool(load)}
 
 
+@router.get("/models/{model:path}")
+async def retrieve_model(model: str, request: Request, principal: GatewayTenant) -> dict[str, Any]:
+    db: Database = request.app.state.db
+
+    def load() -> dict[str, Any] | None:
+        with db.session() as session:
+            return gateway.find_model(session, principal.tenant_id, model)
+
+    found = await run_in_threadpool(load)
+    if found is None:  # another tenant's adapter reads as a missing one
+        raise OpenAIError.of(404, wire.model_not_found(model))
+    return found
+
+
 @router.post("/chat/completions", response_model=None, openapi_extra=_documented(ChatCompletionRequest))
 async def chat_completions(request: Request, principal: GatewayTenant) -> Response:
     body = await _body(request, ChatCompletionRequest)
