@@ -99,26 +99,29 @@ def count_step(engine: Any) -> dict[str, int]:
     from .dispatch import DispatchCounter
 
     forward_counts: dict[str, int] = {}
-    # The forward proper: `_launch` (metadata copy to logits and finite flags, no host read by design);
-    # engines from before it have `_forward`, which also checks the flags.
-    name = "_launch" if hasattr(engine, "_launch") else "_forward"
-    original = getattr(engine, name)
+    # The forward proper: the runner's `forward` (metadata copy to logits and finite flags, no host read
+    # by design); engines from before it have `_launch`, or `_forward`, which also checks the flags.
+    if hasattr(engine.runner, "forward"):
+        owner, name = engine.runner, "forward"
+    else:
+        owner, name = engine, "_launch" if hasattr(engine, "_launch") else "_forward"
+    original = getattr(owner, name)
 
-    def counted(chunks: Any) -> Any:
+    def counted(chunks: Any, *feed: Any) -> Any:
         counter = DispatchCounter()
         with counter as trace:
-            logits = original(chunks)
+            logits = original(chunks, *feed)
         forward_counts["forward_ops"] = trace.launches
         forward_counts["forward_triton"] = sum(1 for name, _ in trace.ops if name.startswith("triton:"))
         forward_counts["forward_host_reads"] = len(trace.host_reads)
         return logits
 
-    setattr(engine, name, counted)
+    setattr(owner, name, counted)
     try:
         with DispatchCounter() as step_trace:
             engine.step()
     finally:
-        delattr(engine, name)  # the bound method again
+        delattr(owner, name)  # the bound method again
     return {
         "step_ops": step_trace.launches,
         "step_host_reads": len(step_trace.host_reads),

@@ -1,15 +1,15 @@
-"""LLMEngine: the offline API. `step()` is schedule → load adapters → run → sample → postprocess;
-`generate()` loops it.
+"""LLMEngine: the offline API. `step()` is plan → load → launch → land; `generate()` loops it.
+
+The parts: the scheduler plans (engine/scheduler.py, no torch), the loader copies the plan's adapters
+into their pages (engine/lora/loader.py), the runner does every device operation and hands back a step
+handle (engine/runner.py), and the fault guard retries and bisects a failed step (engine/fault_guard.py).
+The engine owns the requests: it checks them in, and makes their outputs.
 
 One tenant's adapter must not fail another tenant's request. An adapter that cannot be loaded ends only
-its own requests (adapter_failed, or adapter_unavailable when its store did not answer). A step that
-raises (or yields logits that are not finite) is run again once; if it fails again, the batch is
-bisected by adapter to find the adapters whose requests fail on their own. Only their requests end,
-with `adapter_failed`, the adapters are refused from then on, and the rest of the batch runs. A failure
-no adapter explains is raised (as `StepError`, after the one retry) for the server to fail the step's
-requests. Sampling is part of each request's fault domain too: a row that cannot be sampled (parameters
-that got past every check) ends that request alone with `engine_error`, on the plain and pipelined paths
-and after the retry, and the rest of the step is sampled without it.
+its own requests (adapter_failed, or adapter_unavailable when its store did not answer); a step that
+fails is the guard's (retry once, then bisect by adapter; a failure nothing explains is raised as
+`StepError`). Sampling is part of each request's fault domain too, on the plain and pipelined paths and
+after the retry.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,13 +29,15 @@ from loraplex.adapters import AdapterManifest, BaseShape
 # adapter is at fault, refused until registered with other weights; ADAPTER_UNAVAILABLE: its store could not
 # be read, retry later; ENGINE_ERROR: the engine's own failure.
 from loraplex.wire import ADAPTER_FAILED, ADAPTER_UNAVAILABLE, ENGINE_ERROR
-from loraplex.wire.errors import RefusedAdapterError, StepError, UnknownAdapterError
+from loraplex.wire.errors import RefusedAdapterError, UnknownAdapterError
+from loraplex.wire.errors import StepError as StepError  # what step() raises (from the fault guard)
 from loraplex.wire.limits import LimitExceeded
 
 from .batch import DecodeBuckets
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
-from .fairness import VirtualTokenCounter
+from .fairness import FairQueue, FirstComeQueue, VirtualTokenCounter
+from .fault_guard import FaultGuard
 from .graphs import CudaGraphBackend, DecodeGraphs
 from .kv_cache import KVCache, page_bytes
 from .lora.loader import AdapterLoader, LoadFailed, LoadFailure
@@ -47,10 +49,9 @@ from .model.cpu_features import cpu_auto_dtype
 from .model.loader import LoadedModel, load_model
 from .model.quantize_weights import weight_bytes
 from .pool import PageKind, PagePool
-from .prefix_cache import PrefixCache
+from .prefix_cache import NoPrefixCache, PrefixCache
 from .request import OutputState, Request, RequestOutput, RequestStatus, SamplingState
-from .runner import ModelRunner
-from .sampler import StepSample, sample_step
+from .runner import ModelRunner, StepHandle, free_device_bytes
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledChunk, Scheduler, StepPlan
 from .stats import AdapterFacts, AdapterInfo, AdapterReport, EngineStats
@@ -60,19 +61,6 @@ from .warmup import warm_up
 log = logging.getLogger(__name__)
 
 Prompt = str | Sequence[int]
-
-
-@dataclass
-class _InFlight:
-    """A launched step whose tokens are not read yet (async scheduling): its plan, its sampled tokens on
-    the device, and each sampling request's row among them."""
-
-    plan: StepPlan
-    sampled: StepSample
-    rows: dict[str, int] = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.rows = {request.request_id: i for i, request in enumerate(self.plan.sampling)}
 
 
 @dataclass
@@ -90,12 +78,8 @@ class RequestTooLarge(ValueError):
         self.param = param
 
 
-class NonFiniteLogits(RuntimeError):
-    """A step produced NaN or infinite logits for some of its requests (`request_ids`)."""
-
-    def __init__(self, request_ids: list[str]):
-        super().__init__(f"the logits of {', '.join(request_ids[:8])} are not finite")
-        self.request_ids = frozenset(request_ids)
+def _running(chunk: ScheduledChunk) -> bool:
+    return chunk.request.status is RequestStatus.RUNNING
 
 
 class LLMEngine:
@@ -161,10 +145,17 @@ class LLMEngine:
             host_cache_bytes=config.adapter_host_cache_bytes,
         )
         eos = self.tokenizer.eos_token_ids if self.tokenizer else model_config.eos_token_ids
-        self.prefix_cache: PrefixCache | None = None
-        if config.prefix_caching:
-            self.prefix_cache = PrefixCache(self.pool, config.page_size, self._adapter_digest)
-            self.registry.listeners.append(self.prefix_cache)  # a forgotten adapter's pages go with it
+        self.prefix_cache = (
+            PrefixCache(self.pool, config.page_size, self._adapter_digest)
+            if config.prefix_caching
+            else NoPrefixCache(self.pool)
+        )
+        self.registry.listeners.append(self.prefix_cache)  # a forgotten adapter's pages go with it
+        queue = (
+            FairQueue(VirtualTokenCounter(config.fair_prompt_weight, config.fair_output_weight))
+            if config.scheduling == "fair"
+            else FirstComeQueue()
+        )
         self.scheduler = Scheduler(
             self.pool,
             config.page_size,
@@ -172,9 +163,7 @@ class LLMEngine:
             config.max_batch_tokens,
             self.registry,
             stop=StopChecker(eos, self.max_model_len),
-            fairness=VirtualTokenCounter(config.fair_prompt_weight, config.fair_output_weight)
-            if config.scheduling == "fair"
-            else None,
+            queue=queue,
             prefix_cache=self.prefix_cache,
         )
         use_kernels = config.use_kernels(device)
@@ -184,8 +173,9 @@ class LLMEngine:
             # Graph-ready decode steps on CUDA replay captured graphs, one per bucket and adapter set.
             graphs = DecodeGraphs(CudaGraphBackend(device))
         self.runner = ModelRunner(loaded.model, self.cache, stacker, use_kernels, buckets, graphs)
+        self.guard = FaultGuard(self.runner, self.scheduler, self.registry, self._end_with_error)
         self._overlap = config.overlaps(device)
-        self._in_flight: _InFlight | None = None  # async scheduling: the step launched, not yet read
+        self._in_flight: StepHandle | None = None  # async scheduling: the step launched, not yet read
         if use_kernels:  # compiles every kernel variant now, so no request waits on one; nothing off CUDA
             warm_up(model_config, dtype, config.page_size, config.max_num_seqs, device)
         self._requests: dict[str, Request] = {}
@@ -213,8 +203,7 @@ class LLMEngine:
     def _pages_that_fit(self, device: torch.device, dtype: torch.dtype) -> int:
         per_page = page_bytes(self.loaded.config, self.config.page_size, dtype)
         if device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(device)
-            budget = int(free * self.config.gpu_memory_fraction)
+            budget = int(free_device_bytes(device) * self.config.gpu_memory_fraction)
         else:
             budget = self.config.kv_cache_bytes
         return max(1, budget // per_page)
@@ -437,7 +426,7 @@ class LLMEngine:
             host_cache_hits=host.stats.hits,
             host_cache_waits=host.stats.waits,
             host_cache_misses=host.stats.misses,
-            prefix=self.prefix_cache.stats() if self.prefix_cache is not None else None,
+            prefix=self.prefix_cache.stats(),
         )
 
     def adapter_report(self) -> AdapterReport:
@@ -448,106 +437,99 @@ class LLMEngine:
     # -- the loop ---------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one step: schedule → load adapters → build the batch and run it → sample → postprocess.
-        Returns the outputs of the requests it touched.
+        """Run one step: plan → load its adapters → launch it → land its tokens. Returns the outputs of
+        the requests it touched.
 
         With async scheduling the step is pipelined: this call plans and launches step n+1 (its decodes
         read step n's sampled ids on the device), runs the host work that needs no token (adapter
-        prefetch), and only then reads step n's tokens and returns step n's outputs; step n+1 stays in
-        flight until the next call. Outputs are those of the plain loop, one call later."""
-        if not self._overlap:
-            return self._step_now()
-        in_flight, self._in_flight = self._in_flight, None
-        plan = self.scheduler.schedule()
-        outputs = self._refused(plan)
-        outputs += self._load_adapters(plan)
-        launched: _InFlight | None = None
-        if plan.chunks:
-            plan.chunks = self.runner.order(plan.chunks)
-            try:
-                logits, finite = self._launch(plan.chunks, feed=in_flight)
-                launched = _InFlight(plan, self._sample(plan, logits, finite, outputs))
-                self.scheduler.advance(plan)
-            except Exception as error:  # not queued: land the step in flight, then isolate the fault
-                self.loader.prefetch(self._next_adapters())
-                if in_flight is not None:
-                    landed, ok = self._land(in_flight, successor=None)
-                    outputs += landed
-                    if not ok:  # that step ran again on its own: plan afresh next call
-                        return outputs
-                plan.chunks = [c for c in plan.chunks if c.request.status is RequestStatus.RUNNING]
-                return outputs + self._run_now(plan, failed=error)
-        # Step n+1 is queued on the device and nothing of it is read: host work that needs none of its
-        # tokens runs meanwhile.
-        self.loader.prefetch(self._next_adapters())
-        if in_flight is not None:
-            landed, ok = self._land(in_flight, successor=launched)
-            outputs += landed
-            if not ok:
-                launched = None  # rolled back: its chunks are planned again
-        self._in_flight = launched
-        if launched is None and in_flight is None:
-            self._check_progress(outputs)
-        return outputs
-
-    def _step_now(self) -> list[RequestOutput]:
-        """One step, not pipelined: plan, launch, read its tokens, postprocess."""
-        plan = self.scheduler.schedule()
-        outputs = self._refused(plan)
-        outputs += self._load_adapters(plan)
-        self.loader.prefetch(self._next_adapters())
+        prefetch), and only then lands step n; step n+1 stays in flight until the next call. Outputs
+        are those of the plain loop, one call later."""
+        if self._overlap:
+            return self._step_pipelined()
+        plan, outputs = self._load(self.scheduler.schedule())
+        self._read_ahead()
         if not plan.chunks:
             self._check_progress(outputs)
             return outputs
-        plan.chunks = self.runner.order(plan.chunks)
-        return outputs + self._run_now(plan)
+        return outputs + self._run(plan)
+
+    def _step_pipelined(self) -> list[RequestOutput]:
+        """One pipelined step: plan and launch step n+1 on top of step n, then land step n."""
+        previous, self._in_flight = self._in_flight, None
+        plan, outputs = self._load(self.scheduler.schedule())
+        launched, failed = self._launch(plan, previous, outputs)
+        # Step n+1 is queued on the device and nothing of it is read: host work that needs none of its
+        # tokens runs meanwhile.
+        self._read_ahead()
+        if previous is not None:
+            landed, ok = self._land(previous, successor=launched)
+            outputs += landed
+            if not ok:  # rolled back, or (n+1 failed) that step ran again on its own: plan afresh
+                return outputs
+        if failed is not None:  # step n+1's launch raised: run it now, with fault isolation
+            return outputs + self._run(plan.keeping(_running), failed)
+        self._in_flight = launched
+        if launched is None and previous is None:
+            self._check_progress(outputs)
+        return outputs
+
+    def _load(self, plan: StepPlan) -> tuple[StepPlan, list[RequestOutput]]:
+        """Copy the plan's adapters into their pages. The requests the plan refused end, and an adapter
+        that cannot be loaded ends its own requests (adapter_failed, or adapter_unavailable: whoever asks
+        for it next tries again); the plan that is left, ordered as the runner lays it out."""
+        outputs = self._refused(plan)
+        failures = self.loader.load(plan.adapter_loads)
+        for failure in failures:
+            outputs.extend(self._end_requests_of(failure))
+        if failures:
+            plan = plan.keeping(lambda chunk: not chunk.request.finished)
+        return plan.with_chunks(self.runner.order(plan.chunks)), outputs
+
+    def _launch(
+        self, plan: StepPlan, feed: StepHandle | None, outputs: list[RequestOutput]
+    ) -> tuple[StepHandle | None, Exception | None]:
+        """Queue the plan on the device (its pending decodes fed from `feed`, the step in flight) and
+        count it as computed: the launched step (None: nothing to run), or the error its launch raised."""
+        if not plan.chunks:
+            return None, None
+        try:
+            launched = self.guard.launch(plan, outputs, feed)
+        except Exception as error:  # not queued: the step in flight lands first, then the fault is isolated
+            return None, error
+        self.scheduler.advance(launched.plan)
+        return launched, None
+
+    def _run(self, plan: StepPlan, failed: Exception | None = None) -> list[RequestOutput]:
+        """Launch the plan and land its tokens now, the guard isolating a fault to the requests or
+        adapters that caused it (`failed`: the error its launch already raised)."""
+        handle, outputs = self.guard.run(plan, failed)
+        if handle is None:
+            return outputs
+        tokens = handle.tokens()  # logprobs and kept logits land on the requests
+        return outputs + self._outputs_of(self.scheduler.postprocess(handle.plan, tokens))
+
+    def _land(self, flight: StepHandle, successor: StepHandle | None) -> tuple[list[RequestOutput], bool]:
+        """Read the step in flight's tokens (its one copy) and postprocess it. If it failed (a row not
+        finite, or the device reports an error), its successor, planned as if it had not, is rolled back
+        (its device work is wasted) and the step runs again the plain way, with fault isolation.
+        Returns the outputs and whether it landed as launched."""
+        try:
+            flight.check()
+            tokens = flight.tokens()
+        except Exception:
+            if successor is not None:
+                self.scheduler.rollback(successor.plan)
+            self.scheduler.rollback(flight.plan)
+            return self._run(flight.plan.keeping(_running)), False
+        return self._outputs_of(self.scheduler.land(flight.plan, tokens)), True
 
     def _check_progress(self, outputs: list[RequestOutput]) -> None:
         if self.scheduler.waiting and not self.scheduler.running and not outputs:
             raise RuntimeError("the scheduler could not admit any request into an empty pool")
 
-    def _run_now(self, plan: StepPlan, failed: Exception | None = None) -> list[RequestOutput]:
-        """Run the plan's (ordered) chunks, read their tokens and postprocess, isolating a fault to the
-        requests or adapters that caused it. `failed`: the error its launch already raised (the
-        isolation's retry is the next run)."""
-        outputs: list[RequestOutput] = []
-        if not plan.chunks:
-            return outputs
-        try:
-            if failed is not None:
-                raise failed
-            logits, finite = self._launch(plan.chunks)
-            sampled = self._sample(plan, logits, finite, outputs)
-            # The step's one device-to-host copy: tokens, finite flags, logprobs. Rows that are not
-            # finite fail the step before any token or logprob lands on a request.
-            self._check_finite(plan.chunks, sampled.finite())
-        except Exception as error:
-            plan.chunks, survived = self._isolate_fault(plan.chunks, error, outputs)
-            if survived is None:
-                return outputs
-            try:
-                sampled = self._sample(plan, survived, None, outputs)
-            except Exception as still:  # no row explains it: the step's failure, after what it ended
-                raise StepError(still, outputs) from still
-        tokens = sampled.resolve()  # logprobs and kept logits land on the requests
-        return outputs + self._outputs_of(self.scheduler.postprocess(plan, tokens))
-
-    def _land(self, flight: _InFlight, successor: _InFlight | None) -> tuple[list[RequestOutput], bool]:
-        """Read the step in flight's tokens (its one copy) and postprocess it. If it failed (a row not
-        finite, or the device reports an error), its successor, planned as if it had not, is rolled back
-        (its device work is wasted) and the step runs again the plain way, with fault isolation.
-        Returns the outputs and whether it landed as launched."""
-        plan = flight.plan
-        try:
-            self._check_finite(plan.chunks, flight.sampled.finite())
-            tokens = flight.sampled.resolve()
-        except Exception:
-            if successor is not None:
-                self.scheduler.rollback(successor.plan)
-            self.scheduler.rollback(plan)
-            plan.chunks = [c for c in plan.chunks if c.request.status is RequestStatus.RUNNING]
-            return self._run_now(plan), False
-        return self._outputs_of(self.scheduler.land(plan, tokens)), True
+    def _read_ahead(self) -> None:
+        """Start reading the host copies of the adapters next in the queue."""
+        self.loader.prefetch(self._next_adapters())
 
     def _outputs_of(self, requests: list[Request]) -> list[RequestOutput]:
         outputs = []
@@ -566,18 +548,6 @@ class LLMEngine:
             self._requests.pop(request.request_id, None)
         return [self._output(r, code=ADAPTER_FAILED) for r in plan.refused]
 
-    def _load_adapters(self, plan: StepPlan) -> list[RequestOutput]:
-        """Copy the plan's adapters into their pages. An adapter that cannot be loaded ends its own
-        requests (adapter_failed, or adapter_unavailable: whoever asks for it next tries again) and
-        leaves the plan; nothing else changes."""
-        failures = self.loader.load(plan.adapter_loads)
-        outputs = []
-        for failure in failures:
-            outputs.extend(self._end_requests_of(failure))
-        if failures:
-            plan.chunks = [c for c in plan.chunks if not c.request.finished]
-        return outputs
-
     def _end_requests_of(self, failure: LoadFailure) -> list[RequestOutput]:
         code = ADAPTER_FAILED if failure.at_fault else ADAPTER_UNAVAILABLE
         queued = (*self.scheduler.running, *self.scheduler.waiting)
@@ -588,180 +558,14 @@ class LLMEngine:
             self._requests.pop(request.request_id, None)
         return [self._output(r, code=code) for r in victims]
 
-    def _forward(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
-        """Logits [S, vocab] of the chunks' sampled rows; NonFiniteLogits if any row is not finite."""
-        logits, finite = self._launch(chunks)
-        self._check_finite(chunks, finite.tolist())  # the fault path: a copy of its own
-        return logits
-
-    def _check_finite(self, chunks: list[ScheduledChunk], flags: list[bool]) -> None:
-        if not all(flags):
-            sampled = [c.request.request_id for c in chunks if c.samples]
-            raise NonFiniteLogits([sampled[i] for i, ok in enumerate(flags) if not ok])
-
-    def _launch(
-        self, chunks: list[ScheduledChunk], feed: _InFlight | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The chunks' sampled rows' logits [S, vocab] and whether each row is finite [S], both still
-        on the device: from the metadata copy to here nothing reads a device value, so nothing waits
-        for the device (what a captured CUDA graph of the decode step needs; tests/engine/test_dispatch.py).
-        The padding rows of a graph-ready step are computed with the rest and dropped here (views)."""
-        batch = self.runner.build(chunks)
-        if feed is not None:
-            self._feed(batch.input_ids, chunks, feed)
-        logits = self.runner.execute(batch)  # [S + padding, vocab]
-        finite = torch.isfinite(logits).all(dim=-1)  # over every row: one shape per bucket
-        real = logits.shape[0] - batch.num_padding
-        return logits[:real], finite[:real]
-
-    def _feed(self, input_ids: torch.Tensor, chunks: list[ScheduledChunk], feed: _InFlight) -> None:
-        """Copy the pending tokens' ids from the step in flight's sampled tokens into this step's input
-        rows, on the device: each is a decode (one-token chunk, laid out first) of a pending position."""
-        rows = feed.rows
-        pairs = [
-            (row, rows[chunk.request.request_id])
-            for row, chunk in enumerate(chunks)
-            if chunk.num_tokens == 1 and chunk.start >= chunk.request.num_known_tokens
-        ]
-        if not pairs:
-            return
-        index = torch.tensor(pairs, dtype=torch.int64).T  # [2, k]: this step's rows, the flight's rows
-        if input_ids.device.type == "cuda":
-            index = index.pin_memory().to(input_ids.device, non_blocking=True)
-        tokens = feed.sampled.tokens.index_select(0, index[1]).to(input_ids.dtype)
-        input_ids.index_copy_(0, index[0], tokens)
-
-    def _isolate_fault(
-        self, chunks: list[ScheduledChunk], error: Exception, outputs: list[RequestOutput]
-    ) -> tuple[list[ScheduledChunk], torch.Tensor | None]:
-        """After a failed forward: retry once; then end the requests of the adapters that fail on their
-        own (appending their outputs) and run the rest. Non-finite logits no adapter explains end only
-        the requests they belong to (rows do not mix). Returns the chunks that ran and their logits."""
-        log.warning("a step failed (%s: %s); running it again", type(error).__name__, error)
-        try:
-            return chunks, self._forward(chunks)
-        except Exception as again:
-            error = again
-        guilty = self._guilty_adapters(chunks)
-        if not guilty and not isinstance(error, NonFiniteLogits):
-            raise StepError(error, outputs) from error
-        for name, reason in guilty.items():
-            outputs.extend(self._fail_adapter(name, reason))
-        rest = [c for c in chunks if c.request.adapter not in guilty]
-        if not guilty:
-            assert isinstance(error, NonFiniteLogits)
-            rest = self._fail_rows(rest, error, outputs)
-        try:
-            return rest, self._forward(rest) if rest else None
-        except NonFiniteLogits as bad:
-            rest = self._fail_rows(rest, bad, outputs)
-        except Exception as still:
-            raise StepError(still, outputs) from still
-        try:
-            return rest, self._forward(rest) if rest else None
-        except Exception as still:
-            raise StepError(still, outputs) from still
-
-    def _sample(
-        self, plan: StepPlan, logits: torch.Tensor, finite: torch.Tensor | None, outputs: list[RequestOutput]
-    ) -> StepSample:
-        """sample_step over the plan's sampling rows of logits [S, V] (`finite` [S]: the step's unread
-        finite flags, if any), inside each request's fault domain: sampling is per request, so if it
-        raises, each row is sampled alone; the requests whose rows fail end (engine_error, with the
-        reason, appended to `outputs`) and leave the plan, and the others are sampled without them,
-        drawing what they would have drawn. A failure no row explains alone is raised."""
-        requests = plan.sampling
-        try:
-            return sample_step(logits, requests, finite)
-        except Exception as error:
-            reasons = {i: self._sampling_failure(logits[i : i + 1], r) for i, r in enumerate(requests)}
-            failing = {i: why for i, why in reasons.items() if why is not None}
-            if not failing:
-                raise
-            log.warning("sampling a step failed (%s: %s)", type(error).__name__, error)
-        for i, why in failing.items():
-            message = f"sampling failed for this request ({why}); check its sampling parameters"
-            outputs.extend(self._end_with_error([requests[i]], message, ENGINE_ERROR))
-            log.warning("sampling failed for %s: %s", requests[i].request_id, why)
-        ended = {requests[i].request_id for i in failing}
-        plan.chunks = [c for c in plan.chunks if c.request.request_id not in ended]
-        kept = [i for i in range(len(requests)) if i not in failing]
-        rows = torch.tensor(kept, dtype=torch.int64, device=logits.device)
-        rest = None if finite is None else finite.index_select(0, rows)
-        return sample_step(logits.index_select(0, rows), plan.sampling, rest)
-
-    @staticmethod
-    def _sampling_failure(row: torch.Tensor, request: Request) -> str | None:
-        """Why sampling logits row [1, V] for `request` alone raises (None: it does not), up to the copy
-        to the host, where a device reports its errors."""
-        try:
-            sample_step(row, [request]).wait()
-        except Exception as error:
-            return f"{type(error).__name__}: {error}"
-        return None
-
-    def _fail_rows(
-        self, chunks: list[ScheduledChunk], bad: NonFiniteLogits, outputs: list[RequestOutput]
-    ) -> list[ScheduledChunk]:
-        """End the requests whose logits were not finite (engine_error); the chunks of the others."""
-        message = "the model produced non-finite logits for this request"
-        ended = [c.request for c in chunks if c.request.request_id in bad.request_ids]
-        outputs.extend(self._end_with_error(ended, message, ENGINE_ERROR))
-        log.warning("%s: ended %s", message, ", ".join(r.request_id for r in ended))
-        return [c for c in chunks if c.request.request_id not in bad.request_ids]
-
     def _end_with_error(self, requests: list[Request], message: str, code: str) -> list[RequestOutput]:
+        """End requests the fault guard found at fault (or hit by another's fault) with an error."""
         for request in requests:
-            # Its cache pages may hold NaN now; a page reused by another request is read beyond that
-            # request's own tokens too (masked, but NaN times zero is NaN), so they go back zeroed.
-            self.cache.memory[request.pages] = 0  # page-major
+            self.runner.zero_pages(request.pages)  # they may hold NaN now
             request.output.error = message
             self.scheduler.finish(request, "error")
             self._requests.pop(request.request_id, None)
         return [self._output(r, code=code) for r in requests]
-
-    def _guilty_adapters(self, chunks: list[ScheduledChunk]) -> dict[str, str]:
-        """The adapters whose chunks fail when run without the others, found by bisecting the step's
-        adapters (a few forwards for one bad adapter among many), each with the error it raised."""
-        by_adapter: dict[str, list[ScheduledChunk]] = {}
-        for chunk in chunks:
-            if chunk.request.adapter is not None:
-                by_adapter.setdefault(chunk.request.adapter, []).append(chunk)
-
-        def failure(names: list[str]) -> str | None:
-            try:
-                self._forward([c for n in names for c in by_adapter[n]])
-            except Exception as error:
-                return f"{type(error).__name__}: {error}"
-            return None
-
-        guilty: dict[str, str] = {}
-
-        def search(names: list[str]) -> None:
-            if not names:  # a step of the base model alone: no adapter to blame
-                return
-            reason = failure(names)
-            if reason is None:
-                return
-            if len(names) == 1:
-                guilty[names[0]] = reason
-                return
-            half = len(names) // 2
-            search(names[:half])
-            search(names[half:])
-
-        search(list(by_adapter))
-        return guilty
-
-    def _fail_adapter(self, name: str, reason: str) -> list[RequestOutput]:
-        """Refuse adapter `name` from now on and end every request that uses it; the others go on."""
-        message = f"adapter {name!r} failed while running: {reason}"
-        queued = (*self.scheduler.running, *self.scheduler.waiting)
-        victims = [r for r in queued if r.adapter == name and not r.finished]
-        outputs = self._end_with_error(victims, message, ADAPTER_FAILED)
-        self.registry.mark_failed(name, message)
-        log.warning("%s; ended %d request(s) that used it", message, len(victims))
-        return outputs
 
     def _next_adapters(self) -> list[str]:
         """Adapters of the requests next in the queue, in order: what to have in host memory soon."""

@@ -32,11 +32,14 @@ What the paper leaves open, decided here: a preempted request is not charged aga
 (the engine chose to drop its cache, the tenant did not), and prompt tokens served from the prefix cache
 are charged like computed ones (the tenant's share is of tokens, not of compute). Bookkeeping only: no
 torch (tests/engine/test_torch_free.py).
+
+The scheduler's two queue policies live here too, chosen when it is made: `FirstComeQueue` (arrival
+order) and `FairQueue` (the counter's pick, with its newcomer and bypass rules).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from .request import Request
@@ -184,3 +187,159 @@ class VirtualTokenCounter:
             if best_key is None or key < best_key:
                 best, best_key = request, key
         return best
+
+
+# -- the scheduler's queue policies ------------------------------------------------------------------------
+
+
+class FirstComeQueue:
+    """First come, first served: the queue's front goes next, and nothing is passed over."""
+
+    def queued(self, request: Request) -> None:
+        pass
+
+    def admitted(self, request: Request) -> None:
+        pass
+
+    def preempted(self, request: Request) -> None:
+        pass
+
+    def generated(self, request: Request) -> None:
+        pass
+
+    def finished(self, request: Request, was_running: bool, was_queued: bool) -> None:
+        pass
+
+    def pick(self, waiting: Sequence[Request], passed: set[Tenant]) -> Request | None:
+        return waiting[0]
+
+    def pass_over(self, request: Request, passed: set[Tenant], starving: bool) -> bool:
+        return False
+
+    def newcomers(
+        self,
+        running: Sequence[Request],
+        waiting: Iterable[Request],
+        full: bool,
+        ready: Callable[[Request], bool],
+    ) -> tuple[set[Tenant], Request | None]:
+        return set(), None
+
+    def may_hold_back(self, request: Request) -> bool:
+        return False
+
+    def held_back(self, requests: Iterable[Request]) -> None:
+        pass
+
+
+class FairQueue:
+    """Tenant fairness: the tenant with the least service goes next (`vtc`), and two rules around it.
+
+    Newcomers: the step that admits an under-served tenant's first request (nothing running, least
+    counter) carries no other prefill (running chunks wait a step, other tenants do not join), so its
+    first token costs about what it costs on an idle engine. Each request is held back like that at most
+    once, so a stream of newcomers cannot starve a prefill. When the running batch has no free slot, one
+    running request of the tenant running the most (two or more) gives its slot up, preempted (its full
+    pages stay in the prefix cache), so the newcomer does not wait for another tenant's long request to
+    end; each request yields like that at most once, and only to a newcomer whose adapter, if any, is
+    resident (one that would wait for pages anyway takes nobody's slot).
+
+    Bypass: a request whose adapter cannot get pages now is passed over so other tenants run; after
+    `max_bypass_steps` steps of that, nothing joins behind it until the running batch drains enough pages
+    for it, so it cannot starve."""
+
+    def __init__(
+        self, vtc: VirtualTokenCounter, max_bypass_steps: int = 32, light_newcomer_steps: bool = True
+    ):
+        self.vtc = vtc
+        self.max_bypass_steps = max_bypass_steps
+        self.light_newcomer_steps = light_newcomer_steps
+        self.bypassed: dict[str, int] = {}  # request id -> steps it was passed over
+        self._held_back: set[str] = set()  # request ids whose prefill waited out a newcomer's step
+        self._yielded: set[str] = set()  # request ids preempted once to give a newcomer their slot
+
+    def queued(self, request: Request) -> None:
+        self.vtc.queued(request)
+
+    def admitted(self, request: Request) -> None:
+        self.bypassed.pop(request.request_id, None)
+        self.vtc.admitted(request)
+
+    def preempted(self, request: Request) -> None:
+        self.vtc.preempted(request)
+
+    def generated(self, request: Request) -> None:
+        self.vtc.generated(request)
+
+    def finished(self, request: Request, was_running: bool, was_queued: bool) -> None:
+        if was_running or was_queued:  # never queued: nothing counted
+            self.vtc.finished(request, was_running)
+        self.bypassed.pop(request.request_id, None)
+        self._held_back.discard(request.request_id)
+        self._yielded.discard(request.request_id)
+
+    def pick(self, waiting: Sequence[Request], passed: set[Tenant]) -> Request | None:
+        return self.vtc.pick(waiting, passed)
+
+    def pass_over(self, request: Request, passed: set[Tenant], starving: bool) -> bool:
+        """Whether admission may go on past `request`, which cannot join now: its tenant waits out this
+        step, unless it was passed over for lack of pages (`starving`) on `max_bypass_steps` steps
+        already: then admission stops behind it until it fits."""
+        if starving:
+            steps = self.bypassed.get(request.request_id, 0)
+            if steps >= self.max_bypass_steps:
+                return False
+            if request.tenant not in passed:  # once per step
+                self.bypassed[request.request_id] = steps + 1
+        passed.add(request.tenant)
+        return True
+
+    def newcomers(
+        self,
+        running: Sequence[Request],
+        waiting: Iterable[Request],
+        full: bool,
+        ready: Callable[[Request], bool],
+    ) -> tuple[set[Tenant], Request | None]:
+        """The tenants whose request joins first and alone this step, and the running request that gives
+        its slot up for them (None: the batch has a free slot, or nobody yields)."""
+        if not self.light_newcomer_steps:
+            return set(), None
+        newcomers = self.vtc.newcomers()
+        if not newcomers or not full:
+            return newcomers, None
+        if not any(r.tenant in newcomers and ready(r) for r in waiting):
+            return set(), None
+        victim = self._yielding_request(running)
+        if victim is None:
+            return set(), None
+        self._yielded.add(victim.request_id)
+        return newcomers, victim
+
+    def may_hold_back(self, request: Request) -> bool:
+        """Whether the running request's prefill may wait out a newcomer's step (not if it did once)."""
+        return request.request_id not in self._held_back
+
+    def held_back(self, requests: Iterable[Request]) -> None:
+        self._held_back.update(request.request_id for request in requests)
+
+    def _yielding_request(self, running: Sequence[Request]) -> Request | None:
+        """The running request that gives its slot to a newcomer: of the tenant with the most running
+        (at least two: a tenant never loses its last), the one with the least computed (the least to
+        recompute; the latest admitted of equals) that has not yielded before."""
+        by_tenant: dict[Tenant, list[Request]] = {}
+        for request in running:
+            by_tenant.setdefault(request.tenant, []).append(request)
+        tenants = sorted(
+            (t for t, rs in by_tenant.items() if len(rs) >= 2),
+            key=lambda t: (len(by_tenant[t]), self.vtc.counter(t)),
+            reverse=True,
+        )
+        for tenant in tenants:
+            candidates = [r for r in by_tenant[tenant] if r.request_id not in self._yielded]
+            if candidates:
+                return min(reversed(candidates), key=lambda r: r.num_computed_tokens)
+        return None
+
+
+RequestQueue = FirstComeQueue | FairQueue  # which waiting request goes next: the scheduler's choice

@@ -214,3 +214,37 @@ class PrefixCache:
     def _free(self, page: int) -> None:
         del self._pages[page]
         self.pool.free([page], CACHE_OWNER)
+
+
+class NoPrefixCache:
+    """Prefix caching off: nothing is found or kept, and a request's pages go straight back to the pool
+    (the scheduler's null policy, so it asks the same questions either way)."""
+
+    def __init__(self, pool: PagePool):
+        self.pool = pool
+
+    def peek(self, request: Request) -> int:
+        return 0
+
+    def take(self, request: Request) -> None:
+        pass
+
+    def commit(self, request: Request, upto: int | None = None) -> None:
+        pass
+
+    def release(self, request: Request) -> None:
+        self.pool.free(request.pages, request.request_id)
+        request.pages = []
+
+    def forget_request(self, request: Request) -> None:
+        pass
+
+    def stats(self) -> None:
+        """None: no cache to report on (EngineStats.prefix)."""
+        return None
+
+    def dropped(self, name: str) -> None:
+        pass
+
+    def forgotten(self, name: str) -> None:
+        pass

@@ -1,13 +1,17 @@
-"""The only part of the engine that touches the device: lays a step's chunks out and runs the model.
+"""The only part of the engine that touches the device: lays a step's chunks out, runs the model,
+checks and samples its logits, and answers what the engine asks of the device (free memory, zeroed pages).
 
 The layout and its metadata are engine/batch.py's (one host buffer, one copy per step); the runner
 keeps the builder, picks the attention implementation, asks the LoRA stacker for the step's LoRA work
-and runs the model for the logits of the rows that sample.
+and runs the model for the logits of the rows that sample. `forward` reads no device value on the host
+(a pipelined step's decodes take their ids from the step in flight's tokens, on the device), `sample`
+queues the draw and returns a `StepHandle`, whose one device-to-host copy is made when it is read.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
@@ -17,6 +21,51 @@ from .graphs import DecodeGraphs, tensor_key
 from .kv_cache import KVCache
 from .lora.step import KernelLoraStacker, KernelLoraStep, LoraStacker, LoraStep
 from .model.llama import LlamaModel
+from .request import Request
+from .sampler import StepSample, sample_step
+from .scheduler import ScheduledChunk, StepPlan
+
+
+class NonFiniteLogits(RuntimeError):
+    """A step produced NaN or infinite logits for some of its requests (`request_ids`)."""
+
+    def __init__(self, request_ids: list[str]):
+        super().__init__(f"the logits of {', '.join(request_ids[:8])} are not finite")
+        self.request_ids = frozenset(request_ids)
+
+
+@dataclass
+class StepHandle:
+    """A launched step whose tokens are not read yet: its plan, its sampled tokens on the device, and each
+    sampling request's row among them. `check` and `tokens` share the step's one device-to-host copy."""
+
+    plan: StepPlan
+    sampled: StepSample
+    rows: dict[str, int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.rows = {request.request_id: i for i, request in enumerate(self.plan.sampling)}
+
+    def check(self) -> None:
+        """NonFiniteLogits if a row's logits were not finite (read before any token lands)."""
+        check_finite(self.plan.chunks, self.sampled.finite())
+
+    def tokens(self) -> list[int]:
+        """The sampled ids (logprobs and kept logits land on their requests)."""
+        return self.sampled.resolve()
+
+
+def check_finite(chunks: Sequence[ScheduledChunk], flags: list[bool]) -> None:
+    """NonFiniteLogits naming the sampling requests whose flag (one per sampled row) is False."""
+    if not all(flags):
+        sampled = [c.request.request_id for c in chunks if c.samples]
+        raise NonFiniteLogits([sampled[i] for i, ok in enumerate(flags) if not ok])
+
+
+def free_device_bytes(device: torch.device) -> int:
+    """Bytes free on a CUDA device now (what the pool may take a share of)."""
+    free, _ = torch.cuda.mem_get_info(device)
+    return int(free)
 
 
 class ModelRunner:
@@ -51,6 +100,79 @@ class ModelRunner:
 
     def build(self, chunks: Sequence[StepChunk]) -> StepBatch:
         return self.builder.build(chunks)
+
+    # -- a step -------------------------------------------------------------------------------------
+
+    def forward(
+        self, chunks: Sequence[ScheduledChunk], feed: StepHandle | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The chunks' sampled rows' logits [S, vocab] and whether each row is finite [S], both still
+        on the device: from the metadata copy to here nothing reads a device value, so nothing waits
+        for the device (what a captured CUDA graph of the decode step needs; tests/engine/test_dispatch.py).
+        `feed`: the step in flight, whose sampled tokens are this step's pending ids. The padding rows of
+        a graph-ready step are computed with the rest and dropped here (views)."""
+        batch = self.build(chunks)
+        if feed is not None:
+            self._feed(batch.input_ids, chunks, feed)
+        logits = self.execute(batch)  # [S + padding, vocab]
+        finite = torch.isfinite(logits).all(dim=-1)  # over every row: one shape per bucket
+        real = logits.shape[0] - batch.num_padding
+        return logits[:real], finite[:real]
+
+    def checked_logits(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
+        """Logits [S, vocab] of the chunks' sampled rows; NonFiniteLogits if any row is not finite. Reads
+        the finite flags at once (a copy of its own): the fault path's forward."""
+        logits, finite = self.forward(chunks)
+        check_finite(chunks, finite.tolist())
+        return logits
+
+    def sample(
+        self,
+        plan: StepPlan,
+        logits: torch.Tensor,
+        finite: torch.Tensor | None = None,
+        rows: list[int] | None = None,
+    ) -> StepHandle:
+        """Queue the draw of the plan's sampling requests' next tokens from logits [S, vocab] (`rows`:
+        only these rows of it, in order, one per sampling request); `finite` [S] rides in the same copy."""
+        if rows is not None:
+            index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
+            logits = logits.index_select(0, index)
+            finite = None if finite is None else finite.index_select(0, index)
+        return StepHandle(plan, sample_step(logits, plan.sampling, finite))
+
+    @staticmethod
+    def sampling_failure(logits: torch.Tensor, row: int, request: Request) -> str | None:
+        """Why sampling row `row` of logits [S, vocab] for `request` alone raises (None: it does not), up
+        to the copy to the host, where a device reports its errors."""
+        try:
+            sample_step(logits[row : row + 1], [request]).wait()
+        except Exception as error:
+            return f"{type(error).__name__}: {error}"
+        return None
+
+    def zero_pages(self, pages: Sequence[int]) -> None:
+        """Write zeros over the pages' keys and values (page-major): a failed request's pages may hold NaN,
+        and a page reused by another request is read beyond its own tokens too (masked, but NaN times
+        zero is NaN)."""
+        self.cache.memory[list(pages)] = 0
+
+    def _feed(self, input_ids: torch.Tensor, chunks: Sequence[ScheduledChunk], feed: StepHandle) -> None:
+        """Copy the pending tokens' ids from the step in flight's sampled tokens into this step's input
+        rows, on the device: each is a decode (one-token chunk, laid out first) of a pending position."""
+        rows = feed.rows
+        pairs = [
+            (row, rows[chunk.request.request_id])
+            for row, chunk in enumerate(chunks)
+            if chunk.num_tokens == 1 and chunk.start >= chunk.request.num_known_tokens
+        ]
+        if not pairs:
+            return
+        index = torch.tensor(pairs, dtype=torch.int64).T  # [2, k]: this step's rows, the flight's rows
+        if input_ids.device.type == "cuda":
+            index = index.pin_memory().to(input_ids.device, non_blocking=True)
+        tokens = feed.sampled.tokens.index_select(0, index[1]).to(input_ids.dtype)
+        input_ids.index_copy_(0, index[0], tokens)
 
     @torch.inference_mode()
     def execute(self, batch: StepBatch) -> torch.Tensor:

@@ -6,8 +6,11 @@ scheduled request, so a prefill and a decode are the same thing with different c
 fit a per-step token budget, which is how long prompts are prefilled in pieces beside running decodes.
 When the pool has no page for a running request, the most recently admitted request is preempted: its
 pages are freed and it goes back to the front of the queue, to be recomputed from its tokens later.
-A request with an adapter joins only when the pool can hold both: its adapter's pages (unless resident)
-and the pages of its first chunk; otherwise it waits, and no adapter is loaded for it in vain.
+What varies is chosen once, as policy objects (vLLM V1's request queues), so this file is one algorithm:
+which waiting request goes next (`queue`: engine/fairness.py's FirstComeQueue or FairQueue), whether a
+request may join as far as its adapter goes (`admission`: engine/admission.py; a request with an adapter
+joins only when the pool can hold both its adapter's pages and its first chunk's), and where a request's
+pages start and go (`prefix_cache`: engine/prefix_cache.py's PrefixCache, or NoPrefixCache).
 
 A step is a plan (`schedule` → StepPlan: the chunks to run, who was preempted, the adapters the loader
 must copy into pages already handed out, the requests refused), then `postprocess(plan, sampled)`:
@@ -20,13 +23,14 @@ both), tested on the CPU in milliseconds.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field, replace
 
-from .fairness import Tenant, VirtualTokenCounter
+from .admission import AdapterAdmission, Admission, BaseModelAdmission, Verdict
+from .fairness import FirstComeQueue, RequestQueue, Tenant
 from .lora.registry import AdapterLoad, AdapterRegistry
 from .pool import PageKind, PagePool
-from .prefix_cache import PrefixCache
+from .prefix_cache import NoPrefixCache, PrefixCache
 from .request import Request, RequestStatus
 from .stopping import StopChecker
 
@@ -45,11 +49,13 @@ class ScheduledChunk:
         return self.start + self.num_tokens
 
 
-@dataclass
+@dataclass(frozen=True)
 class StepPlan:
     """One step, decided: run `chunks` (in this order once the runner ordered them), after copying
     `adapter_loads` into their pages. `preempted` went back to the queue; `refused` were ended because
-    their adapter is refused (their finish_reason is "error")."""
+    their adapter is refused (their finish_reason is "error"). A value: the scheduler fills its lists
+    while it plans, and whoever changes a plan afterwards (orders its chunks, drops ended requests) makes
+    a new one (`with_chunks`, `keeping`)."""
 
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
@@ -65,6 +71,14 @@ class StepPlan:
         """The requests whose next token this step samples, in chunk order (one logits row each)."""
         return [chunk.request for chunk in self.chunks if chunk.samples]
 
+    def with_chunks(self, chunks: Iterable[ScheduledChunk]) -> StepPlan:
+        """This plan running `chunks` instead."""
+        return replace(self, chunks=list(chunks))
+
+    def keeping(self, keep: Callable[[ScheduledChunk], bool]) -> StepPlan:
+        """This plan without the chunks `keep` rejects."""
+        return self.with_chunks(chunk for chunk in self.chunks if keep(chunk))
+
 
 class Scheduler:
     def __init__(
@@ -76,41 +90,30 @@ class Scheduler:
         adapters: AdapterRegistry | None = None,
         max_adapter_loads_per_step: int = 4,
         stop: StopChecker | None = None,
-        fairness: VirtualTokenCounter | None = None,
-        max_bypass_steps: int = 32,
-        prefix_cache: PrefixCache | None = None,
-        light_newcomer_steps: bool = True,
+        queue: RequestQueue | None = None,
+        prefix_cache: PrefixCache | NoPrefixCache | None = None,
     ):
+        """The policies are chosen here, once: `adapters` (a registry: adapter-aware admission; None: every
+        request is the base model's), `queue` (which waiting request goes next: first come first served
+        unless a FairQueue is given) and `prefix_cache` (admission starts a request past its longest
+        cached prefix; None: no caching)."""
         if page_size <= 0 or max_num_seqs <= 0 or max_batch_tokens <= 0:
             raise ValueError("page_size, max_num_seqs and max_batch_tokens must be positive")
         self.pool = pool
         self.page_size = page_size
         self.max_num_seqs = max_num_seqs
         self.max_batch_tokens = max_batch_tokens
-        self.adapters = adapters
-        # Admission starts a request past its longest cached prefix (engine/prefix_cache.py); None: off.
-        self.prefix_cache = prefix_cache
-        # Loading an adapter costs pages and a copy: when many new adapters wait, only a few join per
-        # step, so one step's loads cannot crowd out the KV cache of the running batch.
-        self.max_adapter_loads_per_step = max_adapter_loads_per_step
+        self.adapters = adapters  # the registry the admission policy consults, for the loader and tests
+        self.admission: Admission = (
+            BaseModelAdmission()
+            if adapters is None
+            else AdapterAdmission(adapters, pool, max_adapter_loads_per_step)
+        )
+        self.queue: RequestQueue = queue or FirstComeQueue()
+        self.prefix_cache: PrefixCache | NoPrefixCache = prefix_cache or NoPrefixCache(pool)
         # No end-of-sequence token and no context limit unless the engine says so: max_tokens ends it.
         self.stop = stop or StopChecker(eos_token_ids=(), max_model_len=2**62)
         self.waiting: deque[Request] = deque()
-        # Which waiting request goes next: None is first come first served; a VirtualTokenCounter picks
-        # the tenant with the least service (engine/fairness.py).
-        self.fairness = fairness
-        # With fairness, a request whose adapter cannot get pages now is passed over so other tenants
-        # run; after this many steps of that, nothing joins behind it until the running batch drains
-        # enough pages for it, so it cannot starve.
-        self.max_bypass_steps = max_bypass_steps
-        self._bypassed: dict[str, int] = {}  # request id -> steps it was passed over
-        # With fairness, the step that admits an under-served tenant's first request carries no other
-        # prefill (running chunks wait a step, other tenants do not join): its first token then costs
-        # about what it costs on an idle engine. Each request is held back like that at most once, so
-        # a stream of newcomers cannot starve a prefill.
-        self.light_newcomer_steps = light_newcomer_steps
-        self._held_back: set[str] = set()  # request ids whose prefill waited out a newcomer's step
-        self._yielded: set[str] = set()  # request ids preempted once to give a newcomer their slot
         self.running: list[Request] = []  # in admission order: the front has priority
 
     def pages_for(self, num_tokens: int) -> int:
@@ -118,12 +121,9 @@ class Scheduler:
 
     def add(self, request: Request) -> None:
         """Queue a request; one naming an adapter counts as its user until it ends."""
-        if request.adapter is not None:
-            assert self.adapters is not None, "a request names an adapter but the engine serves none"
-            self.adapters.add_user(request.adapter)
+        self.admission.add(request)
         request.status = RequestStatus.WAITING
-        if self.fairness is not None:
-            self.fairness.queued(request)
+        self.queue.queued(request)
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
@@ -134,19 +134,21 @@ class Scheduler:
         return ScheduledChunk(request, start, count, samples=start + count == request.num_tokens)
 
     def schedule(self) -> StepPlan:
+        """The running requests' next chunks (preempting when the pool runs out), then, unless that
+        preempted, waiting requests join: an under-served tenant's newcomers first and alone."""
         out = StepPlan()
+        self.admission.begin_step()
         newcomers = self._newcomers(out)
         made_room = len(out.preempted)
         budget, prefills = self._schedule_running(out, self.max_batch_tokens, hold_back=bool(newcomers))
         pressed = len(out.preempted) > made_room  # preempted for lack of pages: nobody joins this step
         passed: set[Tenant] = set()  # tenants whose next request cannot join this step
-        loads = 0
         if newcomers and not pressed:  # the newcomers join first, alone
             others = {request.tenant for request in self.waiting if request.tenant not in newcomers}
             before = len(self.running)
-            budget, loads, blocked = self._admit(out, budget, passed | others, loads)
+            budget, blocked = self._admit(out, budget, passed | others)
             if len(self.running) > before:  # a newcomer's step: the held-back prefills wait for the next
-                self._held_back.update(request.request_id for request in prefills)
+                self.queue.held_back(prefills)
                 return self._finish_plan(out)
             for request in prefills:  # no newcomer could join: the step is an ordinary one after all
                 if budget > 0 and self._add_chunk(out, request, budget):
@@ -155,7 +157,7 @@ class Scheduler:
                 return self._finish_plan(out)
             passed.update(newcomers)  # they were tried
         if not pressed:
-            self._admit(out, budget, passed, loads)
+            self._admit(out, budget, passed)
         return self._finish_plan(out)
 
     def _schedule_running(self, out: StepPlan, budget: int, hold_back: bool) -> tuple[int, list[Request]]:
@@ -170,7 +172,7 @@ class Scheduler:
             if request.num_pending_tokens and self.stop.stops_by_length(request):
                 index += 1  # ends when its pending token lands: nothing left to compute
                 continue
-            if hold_back and remaining > 1 and request.request_id not in self._held_back:
+            if hold_back and remaining > 1 and self.queue.may_hold_back(request):
                 held.append(request)
                 index += 1
                 continue
@@ -193,134 +195,57 @@ class Scheduler:
         out.chunks.append(self._chunk(request, count))
         return True
 
-    def _admit(self, out: StepPlan, budget: int, passed: set[Tenant], loads: int) -> tuple[int, int, bool]:
-        """Waiting requests join while the budget, the batch and the pool allow, in fairness (or
-        arrival) order, skipping the tenants in `passed` (which grows by those that cannot join now).
-        Returns the budget left, the adapter loads begun this step, and whether admission stopped
-        behind a request that cannot join and may not be passed over."""
+    def _admit(self, out: StepPlan, budget: int, passed: set[Tenant]) -> tuple[int, bool]:
+        """Waiting requests join while the budget, the batch and the pool allow, in the queue's order,
+        skipping the tenants in `passed` (which grows by those that cannot join now). Returns the budget
+        left and whether admission stopped behind a request that cannot join and may not be passed
+        over."""
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            picked = self._next_waiting(passed)
-            if picked is None:
+            request = self.queue.pick(self.waiting, passed)
+            if request is None:
                 break
-            request = picked
             # Its cached prefix is taken only once it joins; until then, size it as if it had.
             start = max(request.num_computed_tokens, self._cached_tokens(request))
             count = min(request.num_tokens - start, budget)
-            if request.adapter is not None and not request.holds_adapter:
-                assert self.adapters is not None, "a request names an adapter but the engine serves none"
-                if request.adapter in self.adapters.failed:
-                    self.finish(request, "error")  # refused while it waited: it will never run
-                    out.refused.append(request)
+            kv_pages = self.pages_for(start + count) - max(len(request.pages), start // self.page_size)
+            verdict = self.admission.admit(request, kv_pages)
+            if verdict is Verdict.REFUSED:
+                self.finish(request, "error")  # refused while it waited: it will never run
+                out.refused.append(request)
+                continue
+            if verdict is not Verdict.JOIN:
+                # Not with its adapter, not now: it waits for a load slot or for pages to be freed, while
+                # other tenants go ahead of it for a while (fairness) or nobody does (FCFS).
+                if self.queue.pass_over(request, passed, starving=verdict is Verdict.STARVED):
                     continue
-                adapter_pages = self.adapters.pages_needed(request.adapter)
-                loading = adapter_pages > 0
-                if loading and loads >= self.max_adapter_loads_per_step:
-                    if self._pass_over(request, passed, starving=False):
-                        continue
-                    return budget, loads, True
-                kv_pages = self.pages_for(start + count) - max(len(request.pages), start // self.page_size)
-                can_free = self.pool.num_free + self.pool.reclaimable_pages()
-                if (loading and can_free < adapter_pages + kv_pages) or not self.adapters.acquire(
-                    request.adapter
-                ):
-                    # Not with its adapter, not now: it waits for pages to be freed, while other
-                    # tenants go ahead of it for a while (fairness) or nobody does (FCFS).
-                    if self._pass_over(request, passed, starving=True):
-                        continue
-                    return budget, loads, True
-                loads += loading
-                request.holds_adapter = True
-            if self.prefix_cache is not None and not request.pages:
+                return budget, True
+            if not request.pages:
                 self.prefix_cache.take(request)  # after the adapter's pages: they may evict cached ones
                 count = min(request.num_tokens - request.num_computed_tokens, budget)
             if not self._reserve(request, request.num_computed_tokens + count):
                 self._release(request)
                 request.num_computed_tokens = 0
-                return budget, loads, True
+                return budget, True
             self.waiting.remove(request)
-            self._bypassed.pop(request.request_id, None)
-            if self.fairness is not None:
-                self.fairness.admitted(request)
+            self.queue.admitted(request)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.chunks.append(self._chunk(request, count))
             budget -= count
-        return budget, loads, False
+        return budget, False
 
     def _finish_plan(self, out: StepPlan) -> StepPlan:
-        if self.adapters is not None:
-            out.adapter_loads = self.adapters.pending_loads()
-        return out
+        return replace(out, adapter_loads=self.admission.pending_loads())
 
     def _newcomers(self, out: StepPlan) -> set[Tenant]:
-        """With fairness: the under-served tenants (nothing running, least counter) whose request joins
-        first and alone this step. When the running batch has no free slot, one running request of the
-        tenant running the most (two or more) gives its slot up, preempted (its full pages stay in the
-        prefix cache), so the newcomer does not wait for another tenant's long request to end; each
-        request yields like that at most once, and only to a newcomer whose adapter, if any, is resident
-        (one that would wait for pages anyway takes nobody's slot)."""
-        if self.fairness is None or not self.light_newcomer_steps:
-            return set()
-        newcomers = self.fairness.newcomers()
-        if not newcomers or len(self.running) < self.max_num_seqs:
-            return newcomers
-        ready = any(r.tenant in newcomers and self._adapter_ready(r) for r in self.waiting)
-        victim = self._yielding_request() if ready else None
-        if victim is None:
-            return set()
-        self._yielded.add(victim.request_id)
-        self.preempt(victim)
-        out.preempted.append(victim)
+        """The tenants whose request joins first and alone this step (the queue's rule: none under FCFS);
+        the running request that gives its slot up for them is preempted here."""
+        full = len(self.running) >= self.max_num_seqs
+        newcomers, yielding = self.queue.newcomers(self.running, self.waiting, full, self.admission.ready)
+        if yielding is not None:
+            self.preempt(yielding)
+            out.preempted.append(yielding)
         return newcomers
-
-    def _adapter_ready(self, request: Request) -> bool:
-        if request.adapter is None or request.holds_adapter:
-            return True
-        assert self.adapters is not None
-        return (
-            request.adapter not in self.adapters.failed and self.adapters.pages_needed(request.adapter) == 0
-        )
-
-    def _yielding_request(self) -> Request | None:
-        """The running request that gives its slot to a newcomer: of the tenant with the most running
-        (at least two: a tenant never loses its last), the one with the least computed (the least to
-        recompute; the latest admitted of equals) that has not yielded before."""
-        by_tenant: dict[Tenant, list[Request]] = {}
-        for request in self.running:
-            by_tenant.setdefault(request.tenant, []).append(request)
-        fairness = self.fairness
-        assert fairness is not None
-        tenants = sorted(
-            (t for t, rs in by_tenant.items() if len(rs) >= 2),
-            key=lambda t: (len(by_tenant[t]), fairness.counter(t)),
-            reverse=True,
-        )
-        for tenant in tenants:
-            candidates = [r for r in by_tenant[tenant] if r.request_id not in self._yielded]
-            if candidates:
-                return min(reversed(candidates), key=lambda r: r.num_computed_tokens)
-        return None
-
-    def _next_waiting(self, passed: set[Tenant]) -> Request | None:
-        """The waiting request to try next: the queue's front (FCFS), or the fairness pick."""
-        if self.fairness is None:
-            return self.waiting[0]
-        return self.fairness.pick(self.waiting, passed)
-
-    def _pass_over(self, request: Request, passed: set[Tenant], starving: bool) -> bool:
-        """Whether admission may go on past `request`, which cannot join now. FCFS never passes; with
-        fairness its tenant waits out this step, unless it was passed over for lack of pages on
-        `max_bypass_steps` steps already: then admission stops behind it until it fits."""
-        if self.fairness is None:
-            return False
-        if starving:
-            steps = self._bypassed.get(request.request_id, 0)
-            if steps >= self.max_bypass_steps:
-                return False
-            if request.tenant not in passed:  # once per step
-                self._bypassed[request.request_id] = steps + 1
-        passed.add(request.tenant)
-        return True
 
     def postprocess(self, plan: StepPlan, sampled: Sequence[int]) -> list[Request]:
         """After the step ran `plan.chunks`: their tokens are in the cache; `sampled` holds the next
@@ -345,18 +270,16 @@ class Scheduler:
         requests = plan.sampling
         if len(requests) != len(sampled):
             raise ValueError(f"the step sampled {len(sampled)} tokens for {len(requests)} requests")
-        if self.prefix_cache is not None:
-            for chunk in plan.chunks:
-                if chunk.request.status is RequestStatus.RUNNING:  # its pages filled by the step are shared
-                    self.prefix_cache.commit(chunk.request, upto=chunk.end)
+        for chunk in plan.chunks:
+            if chunk.request.status is RequestStatus.RUNNING:  # its pages filled by the step are shared
+                self.prefix_cache.commit(chunk.request, upto=chunk.end)
         took = []
         for request, token in zip(requests, sampled, strict=True):
             if request.finished:
                 continue
             took.append(request)
             request.num_pending_tokens -= 1
-            if self.fairness is not None:
-                self.fairness.generated(request)
+            self.queue.generated(request)
             reason = self.stop.append(request, token)
             if reason is not None:
                 self.finish(request, reason)
@@ -394,8 +317,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         request.status = RequestStatus.WAITING
-        if self.fairness is not None:
-            self.fairness.preempted(request)
+        self.queue.preempted(request)
         self.waiting.appendleft(request)
 
     def finish(self, request: Request, reason: str) -> None:
@@ -407,35 +329,17 @@ class Scheduler:
             self.running.remove(request)
         elif was_waiting:
             self.waiting.remove(request)
-        if self.fairness is not None and (was_running or was_waiting):  # never queued: nothing counted
-            self.fairness.finished(request, was_running)
-        self._bypassed.pop(request.request_id, None)
-        self._held_back.discard(request.request_id)
-        self._yielded.discard(request.request_id)
+        self.queue.finished(request, was_running, was_waiting)
         self._release(request)
-        if self.prefix_cache is not None:
-            self.prefix_cache.forget_request(request)
-        if request.adapter is not None and self.adapters is not None:
-            self.adapters.remove_user(request.adapter)
+        self.prefix_cache.forget_request(request)
+        self.admission.finished(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
 
     def _cached_tokens(self, request: Request) -> int:
         """Tokens the prefix cache would give a waiting request that holds no pages."""
-        if self.prefix_cache is None or request.pages:
-            return 0
-        return self.prefix_cache.peek(request)
+        return 0 if request.pages else self.prefix_cache.peek(request)
 
     def _release(self, request: Request) -> None:
-        if self.prefix_cache is not None:
-            self.prefix_cache.release(request)  # cached pages stay, for the next request (or its retry)
-        else:
-            self.pool.free(request.pages, request.request_id)
-        request.pages = []
-        self._release_adapter(request)
-
-    def _release_adapter(self, request: Request) -> None:
-        if request.holds_adapter:
-            assert self.adapters is not None and request.adapter is not None
-            self.adapters.release(request.adapter)
-            request.holds_adapter = False
+        self.prefix_cache.release(request)  # cached pages stay, for the next request (or its retry)
+        self.admission.release(request)

@@ -99,7 +99,11 @@ class AdapterLoader:
                 self.host.prefetch(name, self._packer(entry.source))
 
     def load(self, loads: Sequence[AdapterLoad]) -> list[LoadFailure]:
-        """Copy each adapter into the pages the registry gave it; the ones that could not be loaded."""
+        """Copy each adapter into the pages the registry gave it; the ones that could not be loaded.
+        First zero the table columns of the adapters that left the pool since the last call: the
+        registry tells the loader that they left from inside the scheduler's reclaim, which touches no
+        device, so the writes wait for this call, which the engine makes before every step."""
+        self.tables.clear_freed()
         failures = []
         for load in loads:
             failure = self._load(load)
@@ -117,7 +121,7 @@ class AdapterLoader:
     def close(self) -> None:
         self.host.close()
 
-    # -- told by the registry -------------------------------------------------------------------------
+    # -- told by the registry (also from inside the scheduler: bookkeeping only, no device write) -----
 
     def dropped(self, name: str) -> None:
         self.resident.pop(name, None)

@@ -101,7 +101,9 @@ def adapter_meta(adapter: AdapterRows, base: BaseShape, head_dim: int) -> dict[s
 class _GroupTable:
     """One group's persistent tables [L, capacity]: each resident adapter owns a range of columns
     (allocated first-fit when it is loaded, freed when it leaves), so a step only says where its
-    adapters' ranges begin. Unowned columns are zero (width 0: they write nothing)."""
+    adapters' ranges begin. Unowned columns are zero (width 0: they write nothing) once `clear_freed`
+    ran: freeing is bookkeeping only, as an adapter leaves the pool inside the scheduler's reclaim,
+    which touches no device; the loader zeroes freed columns before it writes any (`add`)."""
 
     def __init__(self, num_layers: int, device: torch.device, capacity: int):
         self.a_starts = torch.zeros(num_layers, capacity, dtype=torch.long, device=device)
@@ -109,6 +111,7 @@ class _GroupTable:
         self.b_cols = torch.zeros(num_layers, capacity, dtype=torch.int32, device=device)
         self.b_widths = torch.zeros_like(self.b_cols)
         self.free: list[tuple[int, int]] = [(0, capacity)]  # (start, size), ascending, coalesced
+        self.freed: list[tuple[int, int]] = []  # free ranges whose columns still hold a former adapter's
         self.ranges: dict[str, tuple[int, int]] = {}
 
     @property
@@ -116,6 +119,7 @@ class _GroupTable:
         return self.a_starts.shape[1]
 
     def add(self, name: str, meta: RowMeta) -> None:
+        self.clear_freed()  # a freed range is zero before it is handed out again
         start = self._allocate(meta.rank)
         end = start + meta.rank
         self.a_starts[:, start:end] = meta.a_starts
@@ -125,10 +129,17 @@ class _GroupTable:
         self.ranges[name] = (start, meta.rank)
 
     def remove(self, name: str) -> None:
+        """Free the adapter's columns: bookkeeping, no device write (no step reads them any more)."""
         start, size = self.ranges.pop(name)
-        for table in (self.a_starts, self.b_starts, self.b_cols, self.b_widths):
-            table[:, start : start + size] = 0
         self.free = _coalesce([*self.free, (start, size)])
+        self.freed.append((start, size))
+
+    def clear_freed(self) -> None:
+        """Zero the columns freed since the last call (device writes)."""
+        for start, size in self.freed:
+            for table in (self.a_starts, self.b_starts, self.b_cols, self.b_widths):
+                table[:, start : start + size] = 0
+        self.freed.clear()
 
     def _allocate(self, size: int) -> int:
         for i, (start, free) in enumerate(self.free):
@@ -164,9 +175,9 @@ class ResidentTables:
     """The kernels' tables for every resident adapter, per projection group, kept on the device.
 
     An adapter's RowMeta is written into its groups' tables once, when it is loaded, and its columns
-    are freed when it leaves the pool; a step's tables are these same tensors plus slot_start and
-    slot_rank for its adapters (one small host-to-device copy for all groups): nothing per adapter is
-    concatenated or copied per step."""
+    are freed when it leaves the pool (zeroed when the loader next loads); a step's tables are these
+    same tensors plus slot_start and slot_rank for its adapters (one small host-to-device copy for all
+    groups): nothing per adapter is concatenated or copied per step."""
 
     def __init__(self, num_layers: int, device: torch.device, capacity: int = 256):
         self.num_layers = num_layers
@@ -188,9 +199,15 @@ class ResidentTables:
             table.add(name, rows)
 
     def remove(self, name: str) -> None:
+        """Free the adapter's columns in every group: bookkeeping only (see `clear_freed`)."""
         for table in self.groups.values():
             if name in table.ranges:
                 table.remove(name)
+
+    def clear_freed(self) -> None:
+        """Zero every group's freed columns: the loader's device writes, before it loads."""
+        for table in self.groups.values():
+            table.clear_freed()
 
     def step_tables(self, names: Sequence[str]) -> dict[str, LoraTables]:
         """The tables for a step whose slot u is adapter names[u] (each resident), for every group at

@@ -80,12 +80,13 @@ def test_step_n_plus_1_is_planned_and_launched_before_step_n_is_read(smollm2, mo
     sampled id on the device), prefetches, and only then reads the previous step's tokens (the sample
     made by the call before): outputs come one call later. Plain: plan, prefetch, launch, read."""
     from loraplex.engine import engine as engine_module
+    from loraplex.engine import runner as runner_module  # where the engine samples
 
     engine = make(smollm2, mode)
     events: list[str] = []
     samples: list[Any] = []
     schedule, execute, prefetch = engine.scheduler.schedule, engine.runner.execute, engine.loader.prefetch
-    resolve, sample_step = sampler_module.StepSample.resolve, engine_module.sample_step
+    resolve, sample_step = sampler_module.StepSample.resolve, runner_module.sample_step
 
     def sampled(*args: Any, **kwargs: Any) -> Any:
         samples.append(sample_step(*args, **kwargs))
@@ -100,7 +101,7 @@ def test_step_n_plus_1_is_planned_and_launched_before_step_n_is_read(smollm2, mo
     monkeypatch.setattr(
         engine.loader, "prefetch", lambda names: (events.append("prefetch"), prefetch(names))[1]
     )
-    monkeypatch.setattr(engine_module, "sample_step", sampled)
+    monkeypatch.setattr(runner_module, "sample_step", sampled)
     monkeypatch.setattr(sampler_module.StepSample, "resolve", resolved)
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
     request_id = engine.add_request([1, 2, 3, 4], params)

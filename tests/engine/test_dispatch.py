@@ -48,21 +48,21 @@ def decode_trace(engine: LLMEngine, requests: list[list[int]], adapters=None) ->
         engine.step()
     engine.step()  # a decode step first: adapter stacks and kernel caches are warm
     traces: dict[str, Trace] = {}
-    launch = engine._launch
+    forward = engine.runner.forward
 
-    def counted(chunks):
+    def counted(chunks, feed=None):
         counter = DispatchCounter()
         with counter as trace:
-            result = launch(chunks)
+            result = forward(chunks, feed)
         traces["forward"] = trace
         return result
 
-    engine._launch = counted  # type: ignore[method-assign]
+    engine.runner.forward = counted  # type: ignore[method-assign]
     try:
         with DispatchCounter() as step:
             engine.step()
     finally:
-        del engine._launch
+        del engine.runner.forward
         for request_id in ids:
             engine.abort(request_id)
     return traces["forward"], step

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from loraplex.engine.fairness import VirtualTokenCounter
+from loraplex.engine.fairness import FairQueue, VirtualTokenCounter
 from loraplex.engine.lora.registry import AdapterRegistry
 from loraplex.engine.pool import PagePool
 from loraplex.engine.request import Request
@@ -55,8 +55,8 @@ class Run:
         for request in self.scheduler.postprocess(plan, [TOKEN] * len(plan.sampling)):
             served[request.tenant] = served.get(request.tenant, 0) + W_Q
         self.steps += 1
-        vtc = self.scheduler.fairness
-        if vtc is not None:  # the incrementally kept set the newcomer check reads
+        if isinstance(self.scheduler.queue, FairQueue):  # the incrementally kept set the newcomer check reads
+            vtc = self.scheduler.queue.vtc
             assert vtc._unserved == {t for t, s in vtc.tenants.items() if s.waiting and not s.running}
         return served
 
@@ -72,9 +72,9 @@ class Run:
 
 
 def fair_scheduler(pages: int, page_size: int, seqs: int, budget: int, **kwargs) -> Scheduler:
-    return Scheduler(
-        PagePool(pages), page_size, seqs, budget, fairness=VirtualTokenCounter(W_P, W_Q), **kwargs
-    )
+    """A scheduler with the tenant-fair queue; `kwargs` are FairQueue's."""
+    queue = FairQueue(VirtualTokenCounter(W_P, W_Q), **kwargs)
+    return Scheduler(PagePool(pages), page_size, seqs, budget, queue=queue)
 
 
 def backlogged_differences(run: Run, weights: dict[str, float], max_steps: int = 5000) -> list[float]:
@@ -239,7 +239,7 @@ def test_no_slot_is_taken_for_a_newcomer_whose_adapter_is_not_resident() -> None
     pool = PagePool(64)
     registry = AdapterRegistry(pool)
     registry.register("cold", FakeSource(), num_pages=4)
-    scheduler = Scheduler(pool, 4, 2, 64, adapters=registry, fairness=VirtualTokenCounter(W_P, W_Q))
+    scheduler = Scheduler(pool, 4, 2, 64, adapters=registry, queue=FairQueue(VirtualTokenCounter(W_P, W_Q)))
     run = Run(scheduler)
     for i in range(3):
         scheduler.add(make("A", i, 8, 30))
@@ -274,10 +274,8 @@ def test_a_request_whose_adapter_cannot_fit_is_passed_over_but_not_starved() -> 
         pool = PagePool(16)
         registry = AdapterRegistry(pool)
         registry.register("big", FakeSource(), num_pages=8)
-        scheduler = Scheduler(
-            pool, 4, 4, 64, adapters=registry, fairness=VirtualTokenCounter(W_P, W_Q),
-            max_bypass_steps=max_bypass_steps,
-        )  # fmt: skip
+        queue = FairQueue(VirtualTokenCounter(W_P, W_Q), max_bypass_steps=max_bypass_steps)
+        scheduler = Scheduler(pool, 4, 4, 64, adapters=registry, queue=queue)
         run = Run(scheduler)
         index = itertools.count()
 
@@ -297,7 +295,7 @@ def test_a_request_whose_adapter_cannot_fit_is_passed_over_but_not_starved() -> 
                 return None
             flood()
             run.step()
-        assert starved.request_id not in scheduler._bypassed  # admitted: its count is gone
+        assert starved.request_id not in queue.bypassed  # admitted: its count is gone
         return run.steps - start
 
     assert steps_until_admitted(10**9) is None  # the scenario starves C without the limit
@@ -360,7 +358,7 @@ def test_queue_counts_follow_aborts_from_the_queue_and_the_batch() -> None:
     scheduler.add(first)
     scheduler.add(second)
     Run(scheduler).step()  # first runs, second waits (one slot)
-    state = scheduler.fairness.tenants["A"]  # type: ignore[union-attr]
+    state = scheduler.queue.vtc.tenants["A"]  # type: ignore[union-attr]
     assert (state.waiting, state.running) == (1, 1)
     scheduler.finish(second, "abort")
     scheduler.finish(make("A", 9, 4, 5), "abort")  # never queued
@@ -391,7 +389,7 @@ def test_forgetting_idle_tenants_changes_no_decision(
     twins = []
     for prune in (True, False):
         vtc = VirtualTokenCounter(W_P, W_Q, prune=prune, sweep_minimum=1)
-        twins.append((Scheduler(PagePool(pages), page_size, seqs, 24, fairness=vtc), vtc))
+        twins.append((Scheduler(PagePool(pages), page_size, seqs, 24, queue=FairQueue(vtc)), vtc))
     pending = list(enumerate(arrivals))
     step = 0
     while pending or any(s.has_unfinished() for s, _ in twins):
@@ -428,8 +426,8 @@ def test_many_short_lived_tenants_leave_bounded_state() -> None:
     """A replica that sees 5,000 tenants, each sending one request while one tenant stays busy, keeps the
     counters of a few dozen, not of every tenant it ever served."""
     scheduler = fair_scheduler(pages=256, page_size=4, seqs=4, budget=64)
-    vtc = scheduler.fairness
-    assert vtc is not None
+    assert isinstance(scheduler.queue, FairQueue)
+    vtc = scheduler.queue.vtc
     run = Run(scheduler)
     for i in range(5000):
         scheduler.add(make(f"once{i}", i, 8, 2))

@@ -131,13 +131,13 @@ def test_nan_weights_are_refused_when_loaded_and_no_step_fails() -> None:
     base = engine.loaded.config.lora_shape()
     engine.register_adapter("nan", Filled(SyntheticAdapter(base, seed=7, rank=4), float("nan")))
     isolations: list[Exception] = []
-    real_isolate = engine._isolate_fault
+    real_isolate = engine.guard.isolate
 
     def isolate(chunks: Any, error: Exception, outputs: Any) -> Any:
         isolations.append(error)
         return real_isolate(chunks, error, outputs)
 
-    engine._isolate_fault = isolate
+    engine.guard.isolate = isolate  # type: ignore[method-assign]
     outputs = list(run(engine, mixed(["good0", "nan", None, "good1"])).values())
     broken = outputs[1]
     assert isinstance(broken, FailedOutput) and broken.error_code == ADAPTER_FAILED

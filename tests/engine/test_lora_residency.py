@@ -63,10 +63,19 @@ def test_load_hold_release_evict(engine_and_adapters) -> None:  # type: ignore[n
     registry.remove_user("a")
     assert "a" in registry.resident_names()  # unused adapters stay until their pages are wanted
     version = loader.version
+    columns = {g: t.ranges["a"] for g, t in loader.tables.groups.items() if "a" in t.ranges}
     assert registry.evict_unused(engine.pool.num_pages) == used
     assert engine.pool.pages_by_kind()["adapter"] == 0 and loader.version != version
     assert "a" not in loader.resident and "a" in loader.host  # the host copy stays for next time
     assert_tables_follow_residency(loader)
+    # The eviction (the scheduler's reclaim, torch-free) wrote nothing on the device: its columns are
+    # zeroed by the loader's next call, before any load could be handed them.
+    widths = {g: loader.tables.groups[g].b_widths[:, s : s + n] for g, (s, n) in columns.items()}
+    assert columns and all(bool(w.any()) for w in widths.values())
+    assert loader.load([]) == []
+    assert not any(
+        bool(loader.tables.groups[g].b_widths[:, s : s + n].any()) for g, (s, n) in columns.items()
+    )
 
 
 def test_kv_takes_pages_from_unused_adapters(engine_and_adapters) -> None:  # type: ignore[no-untyped-def]

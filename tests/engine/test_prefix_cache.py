@@ -17,7 +17,7 @@ from loraplex.engine import EngineConfig, LLMEngine
 from loraplex.engine.lora.registry import AdapterRegistry
 from loraplex.engine.lora.synthetic import SyntheticAdapter
 from loraplex.engine.pool import PageKind, PagePool
-from loraplex.engine.prefix_cache import CACHE_OWNER, PrefixCache
+from loraplex.engine.prefix_cache import CACHE_OWNER, NoPrefixCache, PrefixCache
 from loraplex.engine.request import Request, RequestStatus
 from loraplex.engine.sampling_params import SamplingParams
 from loraplex.engine.scheduler import Scheduler
@@ -60,7 +60,7 @@ def truth(digest: str, tokens: list[int]) -> bytes:
     return hashlib.sha256(digest.encode() + bytes(str(tokens), "ascii")).digest()
 
 
-def check_pool(scheduler: Scheduler, cache: PrefixCache | None) -> None:
+def check_pool(scheduler: Scheduler, cache: PrefixCache | NoPrefixCache | None) -> None:
     """Each page is free or has one owner; a request's own pages are its alone; a cached page's
     reference count is the number of requests holding it."""
     pool = scheduler.pool
@@ -75,7 +75,7 @@ def check_pool(scheduler: Scheduler, cache: PrefixCache | None) -> None:
                 assert holders[page] == 1, f"private page {page} in two requests"
     for request in scheduler.waiting:
         assert not request.pages
-    if cache is not None:
+    if isinstance(cache, PrefixCache):
         for page, entry in cache._pages.items():
             assert pool.owner_of(page) == CACHE_OWNER
             assert entry.references == holders.get(page, 0), page

@@ -36,7 +36,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-import loraplex.engine.engine as engine_module
+import loraplex.engine.runner as runner_module  # where the engine samples
 from loraplex.engine import EngineConfig, LLMEngine, SamplingParams
 from loraplex.engine.engine import FailedOutput
 from loraplex.engine.request import RequestOutput
@@ -244,14 +244,14 @@ def tiny_engine(**config: Any) -> LLMEngine:
 @pytest.fixture(scope="module")
 def recorded() -> Iterator[Recorded]:
     sampled: list[SamplingParams] = []
-    real = engine_module.sample_step
+    real = runner_module.sample_step
 
     def recording(logits: Any, requests: Any, finite: Any = None) -> Any:
         sampled.extend(r.params for r in requests)
         return real(logits, requests, finite)
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(engine_module, "sample_step", recording)
+        patch.setattr(runner_module, "sample_step", recording)
         app = create_app(
             ServerSettings(internal_token=TOKEN, served_model_name="tiny", max_queue=64), tiny_engine
         )

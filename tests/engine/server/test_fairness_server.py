@@ -10,6 +10,7 @@ import time
 import httpx
 
 from loraplex import wire
+from loraplex.engine.fairness import FairQueue
 
 from .conftest import TOKEN, ServerFactory
 
@@ -24,9 +25,9 @@ def test_the_weight_header_divides_the_tenants_counter(make_server: ServerFactor
     answer = httpx.post(f"{server.url}/v1/completions", json=body, headers=headers("w", 4.0), timeout=60)
     assert answer.status_code == 200, answer.text
     server.wait_idle()
-    fairness = server.engine.scheduler.fairness
-    assert fairness is not None
-    assert fairness.counter("w") == (1.0 * 10 + 2.0 * 3) / 4.0  # w_p 1, w_q 2, weight 4
+    queue = server.engine.scheduler.queue
+    assert isinstance(queue, FairQueue)
+    assert queue.vtc.counter("w") == (1.0 * 10 + 2.0 * 3) / 4.0  # w_p 1, w_q 2, weight 4
 
 
 def test_a_bad_weight_header_is_refused(make_server: ServerFactory) -> None:
