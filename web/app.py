@@ -20,6 +20,7 @@ from .db.session import Database
 from .services import adapters as adapters_service
 from .services.deployments import all_endpoints
 from .services.discovery import Discovery
+from .services.engine_load import EngineLoadScraper
 from .services.engine_sync import EngineSync
 from .services.errors import QuotaExceeded, ServiceError
 from .services.in_flight import InFlight
@@ -62,14 +63,25 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             settings.engine_connect_timeout_s,
             allow_loopback=settings.allow_loopback_endpoints,
         )
+        # Each engine's own queue, read from its /metrics: the load every control-plane replica shares.
+        scraper = None
+        if settings.engine_load_interval_s > 0:
+            scraper = EngineLoadScraper(
+                app.state.http, app.state.engine_token, app.state.router, settings.engine_load_interval_s
+            )
+        app.state.engine_load = scraper
         # Objects whose last adapter was deleted while the store was down are deleted now.
         await run_in_threadpool(_sweep, db, app.state.store)
         try:
             # Follow the pods of every kubernetes:// deployment known now; later ones on first use.
             await run_in_threadpool(discovery.start, await run_in_threadpool(all_endpoints, db))
             app.state.engine_sync.start()
+            if scraper is not None:
+                scraper.start()
             yield
         finally:
+            if scraper is not None:
+                await scraper.stop()
             await prewarmer.close()
             await app.state.engine_sync.stop()
             await run_in_threadpool(discovery.stop)

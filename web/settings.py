@@ -43,6 +43,9 @@ class Settings(BaseSettings):
     placement_pod_adapter_bytes: int = Field(default=0, ge=0)
     placement_cool_s: float = Field(default=30.0, gt=0)
     placement_idle_s: float = Field(default=300.0, gt=0)
+    # How often each engine's own queue is read from its /metrics (services/engine_load.py): every replica
+    # of the control plane then sees the same load per pod, not only the requests it sent itself. 0: never.
+    engine_load_interval_s: float = Field(default=2.0, ge=0, le=300)
     # How often every engine replica's adapter registrations are compared with the database, and the
     # adapters deleted meanwhile unregistered (a delete also starts a pass at once): services/engine_sync.py.
     engine_sync_interval_s: float = Field(default=30.0, gt=0, le=3600)

@@ -478,6 +478,10 @@ class Router:
         placement.set_pods(self.replicas(endpoints))
         return placement
 
+    def known_pods(self) -> set[str]:
+        """Every pod of the deployments routed lately (what engine_load.py reads the queues of)."""
+        return {pod for placement in self._placements.values() for pod in placement.pods}
+
     def replica_set(self, key: str, endpoints: list[str]) -> tuple[str, ...]:
         """The pods that hold (or should hold) the adapter now."""
         return self.placement(endpoints).replicas(key)
