@@ -387,3 +387,13 @@ def test_a_volume_over_the_checkout_s_folder_leaves_the_image_visible(tmp_path: 
     )
     assert run.returncode == 0, run.stderr
     assert run.stdout.split() == ["image", "secret", "checkout"]
+
+
+def test_the_api_server_forgets_old_requests(cluster: ClusterInABox) -> None:
+    """kmock matches each request against its whole request history: kept unbounded, every request cost
+    more than the last, and the walkthrough's API server ended up answering in tens of seconds."""
+    from tests.operator.apiserver import KEPT_REQUESTS
+
+    for _ in range(KEPT_REQUESTS + 50):
+        assert isinstance(cluster.client.list("ConfigMap", NS), list)
+    assert len(cluster.api._requests) <= KEPT_REQUESTS

@@ -30,6 +30,8 @@ import kmock
 from kmock._internal import aiobus, dicts, enums, references, rendering
 
 ALL_VERBS = ["get", "list", "watch", "create", "update", "patch", "delete"]
+KEPT_REQUESTS = 1024  # of kmock's request history: far more than are ever in flight at once
+
 RBAC_VERBS = {
     enums.action.FETCH: "get",
     enums.action.LIST: "list",
@@ -120,6 +122,11 @@ class StrictApiServer(kmock.KubernetesEmulator):
 
     async def _handle(self, request: rendering.Request) -> Any:
         self._record_call(request)
+        # kmock keeps every request it served, and matching a request to a reaction scans that history for
+        # it (by identity): each request costs more than the one before. Over a long story (the cluster
+        # box's walkthrough: pods' status writes, watches, leases) requests took seconds, then timed out.
+        # Only the latest ones can still be matched (this one, and those waiting for a lock).
+        del self._requests[:-KEPT_REQUESTS]
         if request.resource is None or request.action not in (
             enums.action.CREATE,
             enums.action.UPDATE,
