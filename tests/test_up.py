@@ -14,6 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.readme import run_readme_snippets, uppercase_share
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 LORAPLEX = str(Path(sys.executable).with_name("loraplex"))
@@ -23,11 +25,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def uppercase_share(text: str) -> float:
-    letters = [c for c in text if c.isalpha()]
-    return sum(c.isupper() for c in letters) / max(len(letters), 1)
 
 
 def children_of(pid: int) -> set[int]:
@@ -48,15 +45,6 @@ def alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
-
-
-def readme_snippet(port: int, key: str) -> str:
-    """The README's Python example ("Calling it") as printed there, pointed at this run and its key."""
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    section = readme[readme.index("## Calling it") :]
-    snippet = section[section.index("```python\n") + len("```python\n") : section.index("```\n", 12)]
-    assert 'base_url="http://127.0.0.1:8080/v1", api_key="lpx_..."' in snippet
-    return snippet.replace("127.0.0.1:8080", f"127.0.0.1:{port}").replace('"lpx_..."', repr(key))
 
 
 class Up:
@@ -117,11 +105,7 @@ def test_up_serves_the_demo_and_stops_everything(tmp_path: Path) -> None:
         assert python.returncode == 0, python.stderr
         assert uppercase_share(python.stdout) >= 0.9, python.stdout
 
-        readme = tmp_path / "readme.py"
-        readme.write_text(readme_snippet(first.port, first.value("API key")))
-        python = subprocess.run([sys.executable, str(readme)], capture_output=True, text=True, timeout=120)
-        assert python.returncode == 0, python.stderr  # its `chunk.choices[0]` loop: no usage-only chunk
-        assert uppercase_share(python.stdout) >= 0.9, python.stdout
+        run_readme_snippets(first.port, first.value("API key"), tmp_path)
 
         console = httpx.get(f"http://127.0.0.1:{first.port}/console/sign-in")
         assert console.status_code == 200 and "Sign in" in console.text

@@ -14,6 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.readme import run_readme_snippets
+
 from .conftest import BASE, DEMO_ADAPTER, free_port
 
 LORAPLEX = str(Path(sys.executable).parent / "loraplex")
@@ -56,7 +58,7 @@ class StreamReader(threading.Thread):
 
 
 @pytest.mark.slow
-def test_sigterm_drains_running_requests_within_a_bound_and_exits() -> None:
+def test_serve_runs_the_readme_snippets_then_sigterm_drains_within_a_bound(tmp_path: Path) -> None:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = {
@@ -70,7 +72,7 @@ def test_sigterm_drains_running_requests_within_a_bound_and_exits() -> None:
     }
     command = [LORAPLEX, "serve", "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32"]
     process = subprocess.Popen(
-        [*command, "--adapter", f"uppercase={DEMO_ADAPTER}"],
+        [*command, "--adapter", f"demo-uppercase={DEMO_ADAPTER}"],  # the README's adapter, by its name
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -89,7 +91,10 @@ def test_sigterm_drains_running_requests_within_a_bound_and_exits() -> None:
             time.sleep(0.2)
         metrics = httpx.get(f"{url}/metrics", timeout=5).text
         assert "\nloraplex_pool_pages_total 128.0" in metrics  # LORAPLEX_NUM_PAGES reached the engine
-        assert "uppercase" in httpx.get(f"{url}/v1/models", timeout=5).text
+        assert "demo-uppercase" in httpx.get(f"{url}/v1/models", timeout=5).text
+        # The README's snippets as printed (tests/test_up.py runs them against `loraplex up`): without a
+        # token the engine ignores the API key, and streams end as OpenAI's, with usage only when asked.
+        run_readme_snippets(port, "lpx_...", tmp_path)
 
         short, endless = StreamReader(url, 12), StreamReader(url, 1500)
         for reader in (short, endless):
