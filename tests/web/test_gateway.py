@@ -274,6 +274,22 @@ def test_models_retrieve_root_parent_and_openai_route_errors(setup: Setup) -> No
         assert "detail" in http.get("/api/v1/nothing").json()  # the other APIs keep FastAPI's shape
 
 
+def test_token_id_prompts_reach_the_engine_within_its_caps(setup: Setup) -> None:
+    client = openai.OpenAI(base_url=f"{setup.url}/v1", api_key=setup.key, max_retries=0, timeout=10)
+    for prompt in ([5820, 827], [[5820, 827]], ["one text"]):
+        reply = client.completions.create(model="poet", prompt=prompt, max_tokens=4)
+        assert reply.choices[0].index == 0
+        assert [r["body"]["prompt"] for e in setup.engines.values() for r in e.received][-1] == prompt
+    too_many = [7] * (limits.MAX_PROMPT_TOKENS + 1)
+    for prompt in (too_many, [too_many]):  # the engine's cap, met at the gateway before any quota
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.completions.create(model="poet", prompt=prompt, max_tokens=4)
+        assert refused.value.param == "prompt" and str(limits.MAX_PROMPT_TOKENS) in refused.value.message
+    with pytest.raises(openai.BadRequestError) as mixed:  # neither a text, token ids, nor a list of one
+        client.completions.create(model="poet", prompt=[1, "two"], max_tokens=4)  # type: ignore[arg-type]
+    assert mixed.value.param is not None and mixed.value.param.startswith("prompt")
+
+
 def test_usage_summary_by_day_and_model(setup: Setup) -> None:
     with httpx.Client(base_url=setup.url, headers=setup.headers, timeout=10) as client:
         for _ in range(2):

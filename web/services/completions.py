@@ -243,7 +243,7 @@ class Gateway:
             raise bad_request(
                 gateway.BadRequest(None, "request body is too large to forward", 413, wire.REQUEST_TOO_LARGE)
             )
-        prompt_estimate = gateway.estimate_tokens(gateway.prompt_text(body))
+        prompt_estimate = gateway.estimate_prompt_tokens(body)
 
         call = metering.Call(self.db, principal, target, endpoint, self.clock, self.in_flight)
         try:

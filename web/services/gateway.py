@@ -200,12 +200,17 @@ def check_caps(body: dict[str, Any], endpoint: str) -> None:
             limits.check_chat_messages(len(messages))
             limits.check_prompt_chars("messages", content_chars(messages))
         else:
+            # The engine's bounds on each form (a text, token ids, a list of either): the outer list is
+            # bounded by the token-id cap whatever it holds, each text by characters, each inner list of
+            # token ids by the token-id cap.
             prompt = body.get("prompt")
             prompts = prompt if isinstance(prompt, list) else [prompt]
             limits.check_prompt_tokens("prompt", len(prompts))
             for item in prompts:
                 if isinstance(item, str):
                     limits.check_prompt_chars("prompt", len(item))
+                elif isinstance(item, list):
+                    limits.check_prompt_tokens("prompt", len(item))
     except limits.LimitExceeded as exc:
         raise BadRequest(exc.param, str(exc)) from None
 
@@ -242,6 +247,17 @@ def estimate_tokens(text: str) -> int:
         return 0
     ascii_chars = len(text.encode("ascii", "ignore"))  # C speed on a 256k-character prompt
     return max(1, (ascii_chars + 3) // 4 + len(text) - ascii_chars)
+
+
+def estimate_prompt_tokens(body: dict[str, Any]) -> int:
+    """The prompt tokens of a request before the engine counts them: token ids exactly, text estimated."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        return len(prompt)  # one prompt of token ids
+    if isinstance(prompt, list):
+        ids = sum(len(p) for p in prompt if isinstance(p, list))
+        return ids + sum(estimate_tokens(p) for p in prompt if isinstance(p, str))
+    return estimate_tokens(prompt_text(body))
 
 
 def prompt_text(body: dict[str, Any]) -> str:

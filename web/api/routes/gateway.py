@@ -8,7 +8,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import Response
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError
 
 from loraplex import wire
 from loraplex.wire.errors import OpenAIError
@@ -56,7 +56,11 @@ class ChatCompletionRequest(_Request):
 
 
 class CompletionRequest(_Request):
-    prompt: str | list[str]
+    # OpenAI's four forms, as the engine takes them: a text, token ids, or a list of either. Strict, so a
+    # list of numbers stays token ids and a list of texts stays texts (no coercion between them).
+    prompt: StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]] = Field(
+        union_mode="left_to_right"
+    )
 
 
 def _documented(model: type[BaseModel]) -> dict[str, Any]:
