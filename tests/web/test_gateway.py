@@ -164,6 +164,14 @@ def test_stream_without_final_usage_is_estimated(setup: Setup) -> None:
     assert (row.status, row.completion_tokens, row.exact) == ("ok_estimated", 4, False)
 
 
+def pin_to_one_minute(*apps: FastAPI) -> None:
+    """Quotas count by the gateway's clock (app.state.clock): stopped ten seconds into the current
+    minute, a burst cannot straddle two minute windows, and no test waits for the next minute to begin."""
+    now = float(int(time.time()) // 60 * 60 + 10)
+    for app in apps:
+        app.state.clock = lambda: now
+
+
 def _fire(urls: list[str], headers: dict[str, str], body: dict[str, object], n: int) -> list[httpx.Response]:
     def one(i: int) -> httpx.Response:
         with httpx.Client(base_url=urls[i % len(urls)], headers=headers, timeout=20) as client:
@@ -179,9 +187,9 @@ def test_requests_per_minute_hold_across_gateway_replicas(
     setup.admin.put(
         f"/admin/v1/tenants/{setup.tenant_id}/quota", json={"requests_per_minute": 5}, headers=ADMIN
     )
-    second = setup.stack.enter_context(serve(app_factory(pg_url)))
-    if time.time() % 60 > 55:  # keep the burst inside one minute window
-        time.sleep(61 - time.time() % 60)
+    second_app = app_factory(pg_url)
+    pin_to_one_minute(setup.app, second_app)  # the whole burst counts in one minute window
+    second = setup.stack.enter_context(serve(second_app))
     responses = _fire([setup.url, second], setup.headers, chat(), 16)
     codes = sorted(r.status_code for r in responses)
     assert codes == [200] * 5 + [429] * 11
@@ -198,8 +206,7 @@ def test_tokens_per_minute_hold_under_concurrency(setup: Setup) -> None:
     )
     for stub in setup.engines.values():
         stub.delay_s = 1.0  # every admitted request holds its reservation while the burst arrives
-    if time.time() % 60 > 55:
-        time.sleep(61 - time.time() % 60)
+    pin_to_one_minute(setup.app)
     body = chat(max_tokens=40)
     responses = _fire([setup.url], setup.headers, body, 10)
     admitted = sum(r.status_code == 200 for r in responses)
