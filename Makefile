@@ -64,9 +64,12 @@ run: install
 generate: install-engine
 	$(VENV)/bin/loraplex generate --chat --prompt "$(PROMPT)"
 
-# Installs everything, checks lint and types, and runs the whole test suite.
+# Installs everything, checks lint and types, and runs the whole test suite on TEST_WORKERS processes
+# (pytest-xdist; a module's tests stay on one worker, tests/cluster's modules on one worker one after the
+# other, the longest first: tests/scheduling.py). TEST_WORKERS=0 runs it in this process, in order.
+TEST_WORKERS ?= 2
 test: install-dev lint
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(TEST_WORKERS)
 
 # mypy checks the code under its import names (loraplex.*): a tree of links stands in for the
 # installed package, because mypy cannot follow setuptools' editable-install finder.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import pytest
 import torch
@@ -11,6 +12,26 @@ import torch
 # this must happen before any test imports one: without a GPU the kernels run in the CPU interpreter.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """Under -n with --dist=loadscope (pyproject's): tests/scheduling.py's scopes, heaviest first."""
+    if config.getoption("dist") != "loadscope":
+        return None
+    from tests.scheduling import make_scheduler
+
+    return make_scheduler(config, log)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """An xdist worker's collection, heaviest scopes first; the scheduler hands scopes out in this order.
+    A run without -n keeps the collection order."""
+    if hasattr(config, "workerinput") and config.getoption("dist") == "loadscope":
+        from tests.scheduling import heavy_first
+
+        heavy_first(items)
 
 
 @pytest.fixture(scope="session")
