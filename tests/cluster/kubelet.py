@@ -145,6 +145,7 @@ class PodRuntime:
     finished: dict[str, Any] | None = None  # restartPolicy Never/OnFailure: the final termination
     thread: threading.Thread | None = None
     terminating: threading.Thread | None = None  # the graceful deletion under way (`terminate`)
+    unsynced: bool = False  # the last status write failed (the API server was slow): written again
     gone: bool = False  # stopped and released: the kubelet forgets it
 
     @property
@@ -421,7 +422,7 @@ class PodRuntime:
                 elif probe.kind == "liveness" and failed:
                     logger.warning("pod %s: liveness probe failed, restarting", self.key)
                     self._kill()
-            if changed:
+            if changed or self.unsynced:
                 self._write_status(client, pod)
         return None
 
@@ -522,8 +523,14 @@ class PodRuntime:
         }
         if message:
             status["message"] = message
-        with contextlib.suppress(ApiError):  # deleted meanwhile: the kubelet loop stops this thread
+        try:
             client.patch("Pod", self.name, {"status": status}, self.namespace, sub="status")
+            self.unsynced = False
+        except ApiError:  # deleted meanwhile: the kubelet loop stops this thread
+            pass
+        except httpx.HTTPError as error:  # a slow API server must not kill the pod: the next tick retries
+            logger.warning("pod %s: status not written (%s), retrying", self.key, error)
+            self.unsynced = True
 
     def stop(self) -> None:
         self.stop_requested.set()

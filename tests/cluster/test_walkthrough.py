@@ -9,11 +9,14 @@ control-plane replicas) and the operator's engine pods all run their own manifes
 Then, as a story on that cluster: a tenant and key made through control-plane replica A work on replica
 B; an adapter uploaded through B streams in capitals through A; one adapter always lands on the same
 engine pod; deleting that pod moves its traffic to the other with no error on new requests; scaling the
-InferenceDeployment to 3 adds the new pod to both replicas' routing.
+InferenceDeployment to 3 adds the new pod to both replicas' routing; issue 26's scale-out story (one
+adapter flooded beside 20 quiet ones spreads over the pods, a fourth pod joins the flooded adapter's set
+warm, the scale back to 3 fails no request); a pod dying mid-stream; a model that does not resolve.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -122,6 +125,9 @@ class Platform:
 
 
 def _ready(pod: dict[str, Any]) -> bool:
+    """Ready and not being deleted (a deleted pod may still say Ready while its preStop hook runs)."""
+    if pod["metadata"].get("deletionTimestamp"):
+        return False
     conditions = (pod.get("status") or {}).get("conditions") or []
     return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
 
@@ -322,6 +328,206 @@ def test_scaling_the_inference_deployment_to_3_adds_the_pod_to_routing(platform:
     )
     assert len(engines) == 3
     wait_until_routed(platform, 3)  # both control-plane replicas route to all three
+
+
+# -- issue 26's story: a flooded adapter spreads, a new pod joins it warm, a scale-in fails nothing ----------
+
+# A pod with this many of one gateway's requests outstanding is saturated (LORAPLEX_PLACEMENT_SATURATION). A
+# CPU engine of this box serves a handful at once, not a GPU's 48; each control-plane replica gets half the
+# flood (FLOOD_WORKERS / 2 at once), enough to fill three pods' sets and ask for a fourth.
+SATURATION = "4"
+FLOOD_WORKERS = 16
+QUIET = 20
+
+
+def adapter_variants(root: Path, count: int) -> list[Path]:
+    """`count` distinct copies of the demo adapter (lora_B scaled by 1 + i/1000: other bytes, other digest,
+    the same behaviour), so each is its own adapter everywhere (store, engines, metrics)."""
+    from safetensors.numpy import load_file, save_file
+
+    tensors = load_file(DEMO / "adapter_model.safetensors")
+    variants = []
+    for i in range(count):
+        directory = root / f"variant-{i}"
+        directory.mkdir()
+        scaled = {k: (v * (1 + (i + 1) / 1000) if "lora_B" in k else v) for k, v in tensors.items()}
+        save_file(
+            {k: v.astype(tensors[k].dtype) for k, v in scaled.items()},
+            directory / "adapter_model.safetensors",
+        )
+        (directory / "adapter_config.json").write_bytes((DEMO / "adapter_config.json").read_bytes())
+        variants.append(directory)
+    return variants
+
+
+def web_env(platform: Platform) -> None:
+    """Roll the control plane out with the box's saturation, as `kubectl set env` would, and wait for it."""
+    (deployment,) = platform.cluster.client.list("Deployment", NAMESPACE, WEB)
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    env = [e for e in container.get("env") or [] if e.get("name") != "LORAPLEX_PLACEMENT_SATURATION"]
+    container["env"] = [*env, {"name": "LORAPLEX_PLACEMENT_SATURATION", "value": SATURATION}]
+    template = deployment["spec"]["template"]
+    platform.cluster.client.patch(
+        "Deployment", deployment["metadata"]["name"], {"spec": {"template": template}}, NAMESPACE
+    )
+
+    def rolled_out() -> bool:
+        pods = platform.cluster.pods(WEB, NAMESPACE)
+        return len(pods) == 2 and all(
+            _ready(p)
+            and not p["metadata"].get("deletionTimestamp")
+            and {"name": "LORAPLEX_PLACEMENT_SATURATION", "value": SATURATION}
+            in p["spec"]["containers"][0]["env"]
+            for p in pods
+        )
+
+    wait_for(rolled_out, timeout=300, what="the control plane rolled out with the new saturation")
+
+
+@dataclass
+class Traffic:
+    """tests/cluster/flood.py running: FLOOD_WORKERS clients asking for one adapter back to back and one
+    going round the quiet ones, through both control-plane replicas; what it has seen so far."""
+
+    process: subprocess.Popen[bytes]
+    out: Path
+
+    def lines(self) -> list[dict[str, Any]]:
+        text = self.out.read_text() if self.out.exists() else ""
+        return [json.loads(line) for line in text.splitlines() if line.endswith("}")]
+
+    def answers(self) -> list[dict[str, Any]]:
+        return [line for line in self.lines() if "model" in line]
+
+    def failures(self) -> list[dict[str, Any]]:
+        return [a for a in self.answers() if a["status"] != 200]
+
+    def rounds(self) -> int:
+        return max((line["round"] for line in self.lines() if "round" in line), default=0)
+
+    def stop(self) -> None:
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(timeout=200)  # the requests in flight end first
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+def adapter_counts(platform: Platform, pod: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """What one engine says of each adapter it holds (GET /internal/adapters): admissions, the ones that
+    waited for a load (cold), loads; by engine name (`id:<adapter id>`)."""
+    from loraplex import wire
+
+    listed = httpx.get(
+        f"http://{pod['status']['podIP']}:8000{wire.ADAPTERS_PATH}",
+        headers={wire.INTERNAL_TOKEN_HEADER: platform.internal_token},
+        timeout=30,
+    )
+    assert listed.status_code == 200, listed.text
+    return {entry["name"]: entry for entry in listed.json()["data"]}
+
+
+def test_a_flooded_adapter_spreads_a_new_pod_joins_it_warm_and_a_scale_in_fails_nothing(
+    platform: Platform, tmp_path: Path
+) -> None:
+    from loraplex import wire
+
+    web_env(platform)
+    wait_until_routed(platform, 3)
+    urls = platform.web_urls()
+    tenant = httpx.post(
+        f"{urls[0]}/admin/v1/tenants", json={"name": "flood"}, headers=platform.admin()
+    ).json()
+    key = httpx.post(
+        f"{urls[0]}/admin/v1/tenants/{tenant['id']}/keys", json={"name": "k"}, headers=platform.admin()
+    ).json()["key"]
+    adapters = []
+    for i, directory in enumerate(adapter_variants(tmp_path, QUIET + 1)):
+        files = [
+            ("files", (p.name, p.read_bytes(), "application/octet-stream"))
+            for p in sorted(directory.iterdir())
+        ]
+        made = httpx.post(
+            f"{urls[i % 2]}/api/v1/adapters",
+            data={"name": f"v{i}", "deployment": "smollm2"},
+            files=files,
+            headers={"Authorization": f"Bearer {key}"},
+            timeout=60,
+        )
+        assert made.status_code == 201, made.text
+        adapters.append(made.json())
+    hot, quiet = adapters[0], adapters[1:]
+    hot_name = wire.adapter_name(hot["id"])
+    out = tmp_path / "traffic.jsonl"
+    argv = [sys.executable, "-m", "tests.cluster.flood", str(out), *urls, "--key", key, "--hot", hot["name"],
+            "--quiet", ",".join(a["name"] for a in quiet), "--workers", str(FLOOD_WORKERS)]  # fmt: skip
+    traffic = Traffic(subprocess.Popen(argv, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}), out)
+
+    def counts() -> dict[str, dict[str, dict[str, Any]]]:
+        return {p["metadata"]["name"]: adapter_counts(platform, p) for p in platform.ready_engines()}
+
+    def hot_pods(seen: dict[str, dict[str, dict[str, Any]]]) -> set[str]:
+        return {pod for pod, held in seen.items() if held.get(hot_name, {}).get("admissions")}
+
+    try:
+        # 1. Three pods: the flood spreads, each quiet adapter stays on one pod.
+        wait_for(
+            lambda: traffic.failures() or (len(hot_pods(counts())) >= 2 and traffic.rounds() >= 1),
+            timeout=240,
+            interval=2.0,
+            what="the flooded adapter on 2 pods and a round of the quiet ones, none failed",
+        )
+        seen = counts()
+        assert not traffic.failures(), traffic.failures()[:5]
+        assert len(hot_pods(seen)) >= 2, seen
+        for adapter in quiet:
+            name = wire.adapter_name(adapter["id"])
+            where = [pod for pod, held in seen.items() if held.get(name, {}).get("admissions")]
+            assert len(where) <= 1, f"{adapter['name']} served by {where}"
+        asked = {a["model"] for a in traffic.answers() if a["status"] == 200} - {hot["name"]}
+        assert len(asked) == QUIET
+
+        # 2. Scale to 4 during the flood: the new pod joins the hot adapter's set warm (its one load came
+        #    before its first request there: no request waited for it).
+        before = {p["metadata"]["name"] for p in platform.engine_pods()}
+        platform.cluster.client.patch(
+            "InferenceDeployment", "smollm2", {"spec": {"replicas": {"min": 4, "max": 4}}}, NAMESPACE
+        )
+        wait_for(
+            lambda: len(platform.ready_engines()) == 4, timeout=300, interval=1.0, what="4 ready engines"
+        )
+        (new_pod,) = {p["metadata"]["name"] for p in platform.ready_engines()} - before
+        wait_until_routed(platform, 4)
+        wait_for(
+            lambda: new_pod in hot_pods(counts()),
+            timeout=180,
+            interval=2.0,
+            what=f"the flooded adapter served by the new pod {new_pod}",
+        )
+        on_new = counts()[new_pod][hot_name]
+        assert on_new["loads"] == 1 and on_new["cold_admissions"] == 0, on_new
+        assert not traffic.failures(), traffic.failures()[:5]
+
+        # 3. Back to 3 during the flood: the pod that goes hands its adapters over and fails nothing.
+        platform.cluster.client.patch(
+            "InferenceDeployment", "smollm2", {"spec": {"replicas": {"min": 3, "max": 3}}}, NAMESPACE
+        )
+        wait_for(
+            lambda: len(platform.engine_pods()) == 3, timeout=120, interval=1.0, what="3 engine pods again"
+        )
+        sent = len(traffic.answers())
+        wait_for(lambda: len(traffic.answers()) >= sent + FLOOD_WORKERS, timeout=120, interval=1.0,
+                 what="the flood going on")  # fmt: skip
+    finally:
+        traffic.stop()
+    assert not traffic.failures(), traffic.failures()[:5]
+    answers = traffic.answers()
+    served = sum(1 for a in answers if a["model"] == hot["name"])
+    print(
+        f"story: {len(answers)} requests ({served} to the flooded adapter), none failed; "
+        f"the new pod's flooded-adapter counts: {on_new}"
+    )
 
 
 def test_a_pod_dying_mid_stream_gives_an_error_event_and_usage_is_still_recorded(platform: Platform) -> None:

@@ -30,8 +30,6 @@ import kmock
 from kmock._internal import aiobus, dicts, enums, references, rendering
 
 ALL_VERBS = ["get", "list", "watch", "create", "update", "patch", "delete"]
-KEPT_REQUESTS = 1024  # of kmock's request history: far more than are ever in flight at once
-
 RBAC_VERBS = {
     enums.action.FETCH: "get",
     enums.action.LIST: "list",
@@ -122,11 +120,24 @@ class StrictApiServer(kmock.KubernetesEmulator):
 
     async def _handle(self, request: rendering.Request) -> Any:
         self._record_call(request)
-        # kmock keeps every request it served, and matching a request to a reaction scans that history for
-        # it (by identity): each request costs more than the one before. Over a long story (the cluster
-        # box's walkthrough: pods' status writes, watches, leases) requests took seconds, then timed out.
-        # Only the latest ones can still be matched (this one, and those waiting for a lock).
-        del self._requests[:-KEPT_REQUESTS]
+        try:
+            return await self._handle_stamped(request)
+        finally:
+            self._forget(request)
+
+    def _forget(self, request: rendering.Request) -> None:
+        """kmock keeps every request it served, and matching a request to a reaction scans that history for
+        it (by identity, through each reaction's filters): each request cost more than the one before, and
+        late in a long story (the cluster box's walkthrough: pods' status writes, watches, leases) the API
+        server answered in tens of seconds. Only requests still being handled can be matched: the history
+        keeps those alone (long watches included) and drops each request once answered."""
+        history = self._requests
+        for index in range(len(history) - 1, -1, -1):
+            if history[index] is request:
+                del history[index]
+                return
+
+    async def _handle_stamped(self, request: rendering.Request) -> Any:
         if request.resource is None or request.action not in (
             enums.action.CREATE,
             enums.action.UPDATE,

@@ -1,0 +1,79 @@
+"""A tenant's traffic for the scale-out story (test_walkthrough.py), in a process of its own so that its
+clients never compete with the box's API server and kubelet for the test process's interpreter.
+
+`python -m tests.cluster.flood OUT --key K --hot NAME --quiet A,B,... URL...`: WORKERS clients ask for the
+hot adapter back to back, one client goes round the quiet ones, through the control-plane URLs in turn,
+until SIGTERM. Every answer is one JSON line in OUT as it comes ({"model", "status", "text"}), and each
+completed round of the quiet adapters a line {"round": n}, so the test reads the traffic live.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+TOKENS = 6
+
+
+async def main(args: argparse.Namespace) -> None:
+    stop = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+    with Path(args.out).open("a", buffering=1) as out:  # a line at a time: the test reads it as we write
+        await traffic(args, stop, out)
+
+
+async def traffic(args: argparse.Namespace, stop: asyncio.Event, out: Any) -> None:
+    auth = {"Authorization": f"Bearer {args.key}"}
+    limits = httpx.Limits(max_connections=args.workers + 4)
+    clients = [httpx.AsyncClient(base_url=u, headers=auth, timeout=180, limits=limits) for u in args.urls]
+
+    def record(line: dict[str, Any]) -> None:
+        out.write(json.dumps(line) + "\n")
+
+    async def ask(client: httpx.AsyncClient, model: str, seed: int) -> None:
+        body = {"model": model, "prompt": f"Item {seed}: say it loud.", "max_tokens": TOKENS,
+                "ignore_eos": True, "temperature": 0}  # fmt: skip
+        try:
+            answer = await client.post("/v1/completions", json=body)
+            record({"model": model, "status": answer.status_code, "text": answer.text[:300]})
+        except httpx.HTTPError as error:
+            record({"model": model, "status": 0, "text": repr(error)})
+
+    async def flood(worker: int) -> None:
+        i = 0
+        while not stop.is_set():
+            await ask(clients[worker % len(clients)], args.hot, worker * 10_000 + i)
+            i += 1
+
+    async def trickle() -> None:
+        rounds = 0
+        while not stop.is_set():
+            for i, model in enumerate(args.quiet):
+                if stop.is_set():
+                    return
+                await ask(clients[i % len(clients)], model, rounds * 100 + i)
+            rounds += 1
+            record({"round": rounds})
+
+    try:
+        await asyncio.gather(trickle(), *(flood(w) for w in range(args.workers)))
+    finally:
+        for client in clients:
+            await client.aclose()
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("urls", nargs="+")
+    parser.add_argument("--key", required=True)
+    parser.add_argument("--hot", required=True)
+    parser.add_argument("--quiet", type=lambda text: text.split(","), required=True)
+    parser.add_argument("--workers", type=int, default=16)
+    asyncio.run(main(parser.parse_args()))
