@@ -9,18 +9,20 @@
 #                          (writes OLD_COMMIT's engine/ and bench/ to build/gpu_check/old; default: the
 #                          parent of the commit that introduced engine/kernels/lora_meta.py)
 #   on the GPU machine:    bash bench/gpu_kernel_check.sh
-#                          (with build/gpu_check/old carried along; it is git-ignored)
+#                          (with build/gpu_check/old and build/gpu_check/wheels carried along; git-ignored)
 #
 # Needs only a python with torch and triton (pytest too for the tests; without it they are skipped with
 # a note, and bench kernels still checks every kernel against the torch reference before timing it).
 # The package is not installed there: a shim directory maps `loraplex.<part>` onto each tree's folders
-# (pyproject's package-dir) through PYTHONPATH. Budget: at most 7 minutes (pytest 180 s, each bench 120 s).
+# (pyproject's package-dir) through PYTHONPATH. Budget: at most 11 minutes (kernel tests 180 s, engine tests 240 s, each bench 120 s); the
+# H100 run of 2026-11-27 took 2 minutes (docs/benchmarks.md, Triton kernels).
 # `bench lora` is not run: it drives the engine on the CPU only (bench/lora.py: device "cpu"), so it
 # never reaches these kernels.
 set -uo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 OLD="$REPO/build/gpu_check/old"
+WHEELS="$REPO/build/gpu_check/wheels"
 PYTHON="${PYTHON:-python3}"
 # DEVICE=cpu: a smoke test of this script itself (tiny shapes in the interpreter; no tests).
 DEVICE="${DEVICE:-cuda}"
@@ -31,6 +33,12 @@ if [[ "${1:-}" == "prepare" ]]; then
     git -C "$REPO" archive "$commit" engine bench | tar -x -C "$OLD"
     git -C "$REPO" rev-parse "$commit" > "$OLD/COMMIT"
     echo "old tree: $(cat "$OLD/COMMIT") in $OLD"
+    # What the engine imports that the GPU image lacks (it has torch, triton, numpy, safetensors, pytest):
+    # carried as wheels for its Python 3.12, since nothing can be fetched there.
+    rm -rf "$WHEELS" && mkdir -p "$WHEELS"
+    "$PYTHON" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+        --platform manylinux_2_28_x86_64 -d "$WHEELS" google-re2 gguf
+    ls "$WHEELS"
     exit 0
 fi
 
@@ -51,6 +59,10 @@ if [[ -d "$OLD/engine" ]]; then
     shim "$WORK/old" "$OLD"
 else
     echo "no old tree in $OLD (run 'bash bench/gpu_kernel_check.sh prepare' where git is): new tree only"
+fi
+
+if [[ -d "$WHEELS" ]]; then
+    "$PYTHON" -m pip install -q --no-deps "$WHEELS"/*.whl || echo "could not install the carried wheels"
 fi
 
 echo "== machine"
@@ -76,6 +88,11 @@ elif "$PYTHON" -c 'import pytest' 2>/dev/null; then
     # addopts cleared: pyproject's --dist needs pytest-xdist, which a bare python lacks.
     (cd "$REPO" && PYTHONPATH="$WORK/new" timeout 180 "$PYTHON" -m pytest -q -o addopts="" -p no:cacheprovider \
         tests/engine/kernels/test_lora_kernels.py tests/engine/kernels/test_attention_kernels.py 2>&1 | tail -15)
+    [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+    echo "== the engine with its kernels on $DEVICE (this tree)"
+    (cd "$REPO" && PYTHONPATH="$WORK/new" timeout 240 "$PYTHON" -m pytest -q -o addopts="" -p no:cacheprovider \
+        tests/engine/test_engine_kernels.py tests/engine/test_fused_model_path.py tests/engine/test_batch.py \
+        2>&1 | tail -15)
     [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
 else
     echo "SKIPPED: pytest is not installed for $PYTHON (bench kernels below still checks results)"
