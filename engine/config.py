@@ -110,6 +110,16 @@ class EngineConfig:
     max_resident_adapters: Annotated[
         int | None, Opt("adapters in the pool at once", minimum=1, none="as many as pages allow")
     ] = None
+    kv_headroom_tokens: Annotated[
+        int,
+        Opt(
+            "KV tokens per running request kept out of the adapter budget the engine reports on /metrics "
+            "(loraplex_adapter_capacity_bytes: the usable pool less max_num_seqs requests of this many "
+            "tokens, in whole pages), which the control plane's placement assigns adapters against; the "
+            "engine itself reserves nothing (unused adapters are evicted when KV pages are wanted)",
+            minimum=0,
+        ),
+    ] = 256
     prefix_caching: Annotated[
         bool,
         Opt(

@@ -148,7 +148,7 @@ class AsyncEngine:
         self.page_size = engine.config.page_size
         self.pool_tokens = (engine.stats().num_pages - 1) * self.page_size  # less the zero page
         self.metrics.observe_model(engine.weight_bytes, engine.loaded.quantization)
-        self.metrics.observe_capacity(engine.config, engine.stats())
+        self.metrics.observe_capacity(engine.config, engine.stats(), page_bytes=engine.cache.memory[0].nbytes)
         # Read by the event loop, written by the loop thread from engine.stats(): plain ints.
         self.waiting = 0
         self.running = 0

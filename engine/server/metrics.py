@@ -4,6 +4,8 @@
 A registry per app (not prometheus-client's global one) lets several servers live in one process, as
 the tests run them. The operator autoscales on three gauges whose names are a contract
 (operator/metrics.py): loraplex_requests_waiting, loraplex_requests_running, loraplex_pool_utilization.
+The control plane's placement reads loraplex_adapter_capacity_bytes (web/services/engine_load.py), also a
+contract: each pod's adapter budget in pool bytes (docs/placement.md, Bounded).
 
 Tenants: tokens per tenant are counted only when the operator turns it on (`tenant_metrics`), and then
 under an opaque id (`opaque_tenant_id`), never the tenant's id or name: whoever reads /metrics learns how
@@ -36,6 +38,14 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 
 _E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
 OTHER_TENANTS = "other"
 NO_TENANT = "none"
+
+
+def adapter_capacity_bytes(usable_pages: int, page_bytes: int, config: EngineConfig) -> int:
+    """Pool bytes adapters may hold while a full batch keeps its KV room: the usable pages less
+    `max_num_seqs` requests of `kv_headroom_tokens` each (whole pages per request), times the bytes of a
+    page; 0 when that headroom takes the whole pool."""
+    per_request = -(-config.kv_headroom_tokens // config.page_size)
+    return max(0, usable_pages - config.max_num_seqs * per_request) * page_bytes
 
 
 def opaque_tenant_id(key: bytes, tenant: str) -> str:
@@ -123,6 +133,9 @@ class ServerMetrics:
         self.registry = r = registry or CollectorRegistry()
         self.tenants = NoTenantCounters() if tenant_labels is None else TenantCounters(r, tenant_labels)
         self.model_server = ModelServerMetrics(r, model_name)
+        # Registered by observe_capacity: while the model loads there is no budget to report, and a 0
+        # would read as "no room" to the control plane's placement.
+        self.adapter_capacity_bytes: Gauge | None = None
 
         self.requests_waiting = Gauge(
             "loraplex_requests_waiting", "Requests admitted but not yet scheduled.", registry=r
@@ -232,17 +245,26 @@ class ServerMetrics:
         """Set once when the engine is made: the weights do not change while it serves."""
         self.model_weight_bytes.labels(quantization).set(weight_bytes)
 
-    def observe_capacity(self, config: EngineConfig, stats: EngineStats) -> None:
-        """Set once when the engine is made: the pool's shape and the batch's bounds."""
+    def observe_capacity(self, config: EngineConfig, stats: EngineStats, page_bytes: int) -> None:
+        """Set once when the engine is made: the pool's shape (pages of `page_bytes`), the batch's bounds,
+        and the adapter budget they leave."""
+        usable = stats.num_pages - stats.pages.get("reserved", 0)
         self.model_server.configure(
             Capacity(
                 block_size=config.page_size,
-                num_blocks=stats.num_pages - stats.pages.get("reserved", 0),
+                num_blocks=usable,
                 max_num_seqs=config.max_num_seqs,
                 max_resident_adapters=config.max_resident_adapters,
                 prefix_caching=stats.prefix is not None,
             )
         )
+        if self.adapter_capacity_bytes is None:
+            self.adapter_capacity_bytes = Gauge(
+                "loraplex_adapter_capacity_bytes",
+                "Pool bytes adapters may hold while a full batch keeps kv_headroom_tokens of KV per request.",
+                registry=self.registry,
+            )
+        self.adapter_capacity_bytes.set(adapter_capacity_bytes(usable, page_bytes, config))
 
     def observe_pool(self, pages_by_kind: Mapping[str, int], num_pages: int) -> None:
         for kind in ("kv", "prefix", "adapter", "free", "reserved"):

@@ -24,7 +24,7 @@ import threading
 import time
 import uuid
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import httpx
@@ -157,6 +157,10 @@ def tiny_engine(**config: Any) -> LLMEngine:
     return engine
 
 
+def page_bytes(engine: LLMEngine) -> int:
+    return engine.cache.memory[0].nbytes
+
+
 def scrape(engine: LLMEngine, metrics: ServerMetrics) -> Protocol:
     """One publish as the server's loop makes it, then the text a scrape gets."""
     stats = engine.stats()
@@ -172,7 +176,7 @@ def by_adapter(requests: Any) -> list[str]:
 def test_running_and_waiting_adapters_are_the_engine_s_at_every_step() -> None:
     engine = tiny_engine(max_num_seqs=2, max_resident_adapters=3, adapter_prefetch_depth=0)
     metrics = ServerMetrics(model_name="tiny")
-    metrics.observe_capacity(engine.config, engine.stats())
+    metrics.observe_capacity(engine.config, engine.stats(), page_bytes(engine))
     began = time.time()
     greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     for adapter in ("a0", "a1", None, "a2", "a3", "a0"):
@@ -206,7 +210,7 @@ def test_running_and_waiting_adapters_are_the_engine_s_at_every_step() -> None:
 def test_an_adapter_packed_in_host_memory_is_reported_at_the_cpu_level() -> None:
     engine = tiny_engine(max_num_seqs=4, max_resident_adapters=1)  # one in the pool, the rest prefetched
     metrics = ServerMetrics(model_name="tiny")
-    metrics.observe_capacity(engine.config, engine.stats())
+    metrics.observe_capacity(engine.config, engine.stats(), page_bytes(engine))
     greedy = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
     for adapter in ("a0", "a1"):
         engine.add_request([1, 2, 3], greedy, adapter=adapter)
@@ -221,11 +225,45 @@ def test_an_adapter_packed_in_host_memory_is_reported_at_the_cpu_level() -> None
 def test_without_a_resident_cap_the_pool_bounds_the_adapters() -> None:
     engine = tiny_engine(max_num_seqs=64)
     metrics = ServerMetrics(model_name="tiny")
-    metrics.observe_capacity(engine.config, engine.stats())
+    metrics.observe_capacity(engine.config, engine.stats(), page_bytes(engine))
     protocol = scrape(engine, metrics)
     largest = max(facts.pages for facts in engine.adapter_view.values())
     assert protocol.max_gpu == 127 // largest  # how many of the largest registered adapter fit
     assert protocol.max_lora == min(64, protocol.max_gpu)
+
+
+def adapter_capacity(text: str) -> float | None:
+    families = {family.name: family for family in text_string_to_metric_families(text)}
+    family = families.get("loraplex_adapter_capacity_bytes")
+    if family is None:
+        return None
+    assert family.type == "gauge"
+    return float(only(family).value)
+
+
+def test_the_adapter_budget_is_the_pool_less_a_full_batch_of_kv_headroom() -> None:
+    # 127 usable pages of 16 tokens; 4 requests of 40 tokens take 3 pages each: 12 pages of headroom.
+    engine = tiny_engine(max_num_seqs=4, kv_headroom_tokens=40)
+    per_page = page_bytes(engine)
+    assert per_page == engine.cache.memory.numel() // 128 * engine.cache.memory.element_size()
+    metrics = ServerMetrics(model_name="tiny")
+    assert adapter_capacity(generate_latest(metrics.registry).decode()) is None  # no budget while loading
+    metrics.observe_capacity(engine.config, engine.stats(), per_page)
+    assert adapter_capacity(generate_latest(metrics.registry).decode()) == (127 - 4 * 3) * per_page
+    # Headroom past the pool leaves no budget: 0, never negative.
+    full = ServerMetrics(model_name="tiny")
+    config = replace(engine.config, kv_headroom_tokens=16 * 32)  # 4 x 32 pages > 127
+    full.observe_capacity(config, engine.stats(), per_page)
+    assert adapter_capacity(generate_latest(full.registry).decode()) == 0
+    # No headroom: the whole usable pool.
+    none = ServerMetrics(model_name="tiny")
+    none.observe_capacity(replace(engine.config, kv_headroom_tokens=0), engine.stats(), per_page)
+    assert adapter_capacity(generate_latest(none.registry).decode()) == 127 * per_page
+
+
+def test_a_negative_headroom_is_refused_with_the_option_s_name() -> None:
+    with pytest.raises(ValueError, match="kv_headroom_tokens must be an integer of 0 or more, got -1"):
+        EngineConfig(model="random:tiny", kv_headroom_tokens=-1)
 
 
 def test_adapter_names_in_the_lists_stay_one_item_each() -> None:
@@ -306,3 +344,5 @@ def test_a_live_server_reports_what_it_runs_and_holds_by_internal_names(make_ser
     assert began <= idle.updated_at <= time.time()
     assert idle.num_gpu_blocks == 96 - 1 and idle.block_size == server.engine.config.page_size
     assert idle.kv_usage == pytest.approx(0.0)  # the adapters are unused: evictable, counted as room
+    # The budget the gateway places against: 95 usable pages less one request of 256 tokens (16 pages).
+    assert adapter_capacity(text) == (95 - 16) * page_bytes(server.engine)
