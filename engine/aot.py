@@ -1,6 +1,6 @@
 """Ahead-of-time compilation of every Triton kernel variant the engine launches, for GPUs we lack.
 
-`python -m loraplex.engine.aot` (run by tests/engine/kernels/test_aot_gate.py in a subprocess
+`python -m loraplex.engine.aot` (run by tests/engine/kernels/test_aot.py in a subprocess
 without TRITON_INTERPRET) proves on a CPU-only machine that each variant compiles for sm_80 and sm_90
 and that none spills registers in 16-bit dtypes. Three stages:
 

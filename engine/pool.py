@@ -1,7 +1,7 @@
 """The page allocator of the one device pool that the KV cache, cached prefixes and adapter weights share.
 
 Plain bookkeeping, no torch: which page is free, which is owned, by whom and for what. The device
-memory itself lives in the runner; a page index means the same slot there.
+memory itself is kv_cache.KVCache's tensor; a page index means the same slot there.
 
 Pages nobody needs right now but that are worth keeping (resident adapters no request holds, cached
 prefix pages no request reads) stay owned until their pages are wanted. Their holders register with the

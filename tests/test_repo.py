@@ -71,3 +71,22 @@ def test_every_package_is_listed_for_wheels() -> None:
             continue
         name = ".".join([mapped[top], *folder.parts[1:]])
         assert name in listed, f"{folder} is a package missing from pyproject's packages ({name})"
+
+
+def test_docs_point_only_inside_the_repository() -> None:
+    """Every relative link or path the docs name stays in the repository: a reader of a clone (or of the
+    wheel's sdist) has nothing else."""
+    import re
+
+    root = Path(__file__).resolve().parents[1]
+    outside = []
+    for doc in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
+        text = doc.read_text()
+        targets = re.findall(r"\]\(([^)\s#]+)", text) + re.findall(r"`(\.\./[^`\s]+)`", text)
+        for target in targets:
+            if re.match(r"[a-z]+:", target):
+                continue  # a URL
+            resolved = (doc.parent / target).resolve()
+            if root not in resolved.parents and resolved != root:
+                outside.append(f"{doc.relative_to(root)}: {target}")
+    assert not outside, outside

@@ -30,7 +30,7 @@ from .tables import AdapterRows, LoraTables, ResidentTables
 
 
 class ResidentAdapters(Protocol):
-    """What the stackers read of the adapters resident in the pool (engine/lora/residency.py)."""
+    """What the stackers read of the adapters resident in the pool (the loader's, engine/lora/loader.py)."""
 
     @property
     def version(self) -> int: ...  # changes whenever an adapter's pages change
