@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import json
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,10 @@ async def main(args: argparse.Namespace) -> None:
 
 async def traffic(args: argparse.Namespace, stop: asyncio.Event, out: Any) -> None:
     auth = {"Authorization": f"Bearer {args.key}"}
-    limits = httpx.Limits(max_connections=args.workers + 4)
+    # Idle connections are dropped after 2 s, before the control plane's server closes them (uvicorn's
+    # keep-alive lasts 5 s): a request on a connection the server is closing fails with a ReadError
+    # before it is sent, a race of keep-alive itself (the openai SDK retries those), not a failed request.
+    limits = httpx.Limits(max_connections=args.workers + 4, keepalive_expiry=2.0)
     clients = [httpx.AsyncClient(base_url=u, headers=auth, timeout=180, limits=limits) for u in args.urls]
 
     def record(line: dict[str, Any]) -> None:
@@ -39,11 +43,13 @@ async def traffic(args: argparse.Namespace, stop: asyncio.Event, out: Any) -> No
     async def ask(client: httpx.AsyncClient, model: str, seed: int) -> None:
         body = {"model": model, "prompt": f"Item {seed}: say it loud.", "max_tokens": TOKENS,
                 "ignore_eos": True, "temperature": 0}  # fmt: skip
+        began = time.time()
         try:
             answer = await client.post("/v1/completions", json=body)
             record({"model": model, "status": answer.status_code, "text": answer.text[:300]})
         except httpx.HTTPError as error:
-            record({"model": model, "status": 0, "text": repr(error)})
+            record({"model": model, "status": 0, "text": repr(error), "url": str(client.base_url),
+                    "began": began, "failed": time.time()})  # fmt: skip
 
     async def flood(worker: int) -> None:
         i = 0
