@@ -288,6 +288,36 @@ def test_no_pod_is_assigned_more_than_it_holds(
             assert placement.assigned_bytes(pod) == used.get(pod, 0) <= capacity
 
 
+@settings(max_examples=40, deadline=None)
+@given(
+    budgets=st.lists(st.one_of(st.none(), st.integers(0, 50)), min_size=4, max_size=4),
+    ops=st.lists(
+        st.tuples(st.sampled_from(["req", "budget", "hot"]), st.integers(0, 30), st.integers(0, 60)),
+        max_size=60,
+    ),
+)
+def test_a_budget_that_changes_is_never_exceeded_once_refit(
+    budgets: list[int | None], ops: list[tuple[str, int, int]]
+) -> None:
+    # Budgets as engines report them over time (None: none reported, unbounded); each change is followed
+    # by Router.refit, as engine_load.py does.
+    pool = [f"http://p{i}" for i in range(4)]
+    reported = dict(zip(pool, budgets, strict=True))
+    r, _, loads = router(PlacementPolicy(saturation=2, cool_s=5, idle_s=20), capacity=reported.get)
+    for op, a, b in ops:
+        if op == "req":
+            r.order(f"adapter:{a}", pool, b % 20)
+        elif op == "budget":
+            reported[pool[a % 4]] = None if b > 50 else b
+            r.refit(pool[a % 4])
+        else:
+            loads.pods = {p: 2.0 for p in pool[: b % 5]}
+        placement = r.placement(pool)
+        for pod in pool:
+            budget = reported[pod]
+            assert budget is None or placement.assigned_bytes(pod) <= budget
+
+
 @settings(max_examples=20, deadline=None)
 @given(seed=st.integers(0, 10_000))
 def test_two_instances_given_the_same_inputs_agree(seed: int) -> None:

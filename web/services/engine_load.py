@@ -7,6 +7,12 @@ routing.EngineMetrics, and the router takes the larger of the two per pod (routi
 then ranks pods by the same engine-reported load, plus what it sent itself since the last read, so replicas
 that share the HRW orders also agree on which pods have room when a set grows (docs/placement.md).
 
+The same read takes each engine's adapter budget (`loraplex_adapter_capacity_bytes`: pool bytes adapters
+may hold while a full batch keeps its KV headroom), which the router's placement bounds each pod by
+(routing.MeasuredCapacity); an engine that reports none is given LORAPLEX_PLACEMENT_POD_ADAPTER_BYTES. When
+a pod's budget changes (its first read, a restart with another pool), the deployments it serves place
+their sets again at once (Router.refit), so no pod stays assigned more than it reports.
+
 A pod that does not answer keeps its last reading until it leaves the router's pods; then it is forgotten.
 """
 
@@ -20,7 +26,7 @@ import httpx
 
 from loraplex import wire
 
-from .routing import Combined, EngineMetrics, Router
+from .routing import Combined, EngineMetrics, MeasuredCapacity, Router
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +43,7 @@ class EngineLoadScraper:
         self._task: asyncio.Task[None] | None = None
         self._known: set[str] = set()
         router.load = Combined(router.outstanding, self.metrics)
+        router.capacity = MeasuredCapacity(self.metrics, router.policy.pod_adapter_bytes)
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="engine-load-scraper")
@@ -66,7 +73,13 @@ class EngineLoadScraper:
                 f"{pod}/metrics", headers={wire.INTERNAL_TOKEN_HEADER: self.token}, timeout=SCRAPE_TIMEOUT_S
             )
             response.raise_for_status()
+            budget = self.metrics.adapter_capacity(pod)
             self.metrics.observe_text(pod, response.text)
         except (httpx.HTTPError, ValueError) as error:
             self.failures += 1
             log.debug("reading %s/metrics failed: %s", pod, error)
+            return
+        if self.metrics.adapter_capacity(pod) != budget:
+            # At once, before another request is placed: the sets fit the budgets every pod reports now.
+            log.info("%s reports an adapter budget of %s bytes", pod, self.metrics.adapter_capacity(pod))
+            self.router.refit(pod)

@@ -110,36 +110,61 @@ def _decrement(counts: dict[str, int], name: str, amount: int) -> None:
         counts.pop(name, None)  # so the tables hold only what is in flight
 
 
+# The engine's adapter budget on /metrics (engine/server/metrics.py): pool bytes adapters may hold while a
+# full batch keeps its KV headroom.
+ADAPTER_CAPACITY_SERIES = "loraplex_adapter_capacity_bytes"
+_QUEUE_SERIES = ("vllm:num_requests_waiting", "vllm:num_requests_running")
+
+
 class EngineMetrics:
-    """Engines' own queue as they report it on /metrics (`vllm:num_requests_waiting` + `_running`), fed
-    by whoever scrapes them (`observe`). It counts every gateway's requests, but is as old as the scrape."""
+    """Engines' own queue as they report it on /metrics (`vllm:num_requests_waiting` + `_running`), and
+    their adapter budget (`loraplex_adapter_capacity_bytes`), fed by whoever scrapes them (`observe`,
+    `observe_text`). The queue counts every gateway's requests, but is as old as the scrape."""
 
     def __init__(self) -> None:
         self._load: dict[str, float] = {}
+        self._adapter_bytes: dict[str, int] = {}
 
     def observe(self, endpoint: str, waiting: float, running: float) -> None:
         if not (math.isfinite(waiting) and math.isfinite(running)) or waiting < 0 or running < 0:
             raise ValueError(f"{endpoint}: waiting and running must be finite and >= 0")
         self._load[endpoint] = waiting + running
 
+    def observe_capacity(self, endpoint: str, adapter_bytes: float | None) -> None:
+        """The engine's adapter budget in bytes; None: it reports none (an older engine, or still loading)."""
+        if adapter_bytes is None:
+            self._adapter_bytes.pop(endpoint, None)
+            return
+        if not math.isfinite(adapter_bytes) or adapter_bytes < 0:
+            raise ValueError(f"{endpoint}: {ADAPTER_CAPACITY_SERIES} must be finite and >= 0")
+        self._adapter_bytes[endpoint] = int(adapter_bytes)
+
     def observe_text(self, endpoint: str, text: str) -> None:
-        """From a Prometheus text exposition (`name{labels} value [timestamp]`); a missing series is 0."""
-        totals = {"vllm:num_requests_waiting": 0.0, "vllm:num_requests_running": 0.0}
+        """From a Prometheus text exposition (`name{labels} value [timestamp]`); a missing queue series is
+        0, a missing budget is none."""
+        totals: dict[str, float] = {}
         for line in text.splitlines():
             ends = [i for i in (line.find("{"), line.find(" ")) if i >= 0]
             if line.startswith("#") or not ends:
                 continue
             name = line[: min(ends)]
-            if name in totals:
+            if name in _QUEUE_SERIES or name == ADAPTER_CAPACITY_SERIES:
                 rest = line[line.rfind("}") + 1 :] if line[min(ends)] == "{" else line[min(ends) :]
-                totals[name] += float(rest.split()[0])
-        self.observe(endpoint, totals["vllm:num_requests_waiting"], totals["vllm:num_requests_running"])
+                totals[name] = totals.get(name, 0.0) + float(rest.split()[0])
+        waiting, running = (totals.get(name, 0.0) for name in _QUEUE_SERIES)
+        self.observe(endpoint, waiting, running)
+        self.observe_capacity(endpoint, totals.get(ADAPTER_CAPACITY_SERIES))
 
     def forget(self, endpoint: str) -> None:
         self._load.pop(endpoint, None)
+        self._adapter_bytes.pop(endpoint, None)
 
     def load(self, endpoint: str) -> float:
         return self._load.get(endpoint, 0.0)
+
+    def adapter_capacity(self, endpoint: str) -> int | None:
+        """The budget the engine last reported, in bytes (0: no room); None when it reported none."""
+        return self._adapter_bytes.get(endpoint)
 
     def demand(self, key: str) -> float:
         return 0.0  # the protocol's per-adapter series name adapters, not how many requests each has
@@ -157,6 +182,21 @@ class Combined:
 
     def demand(self, key: str) -> float:
         return self.local.demand(key)
+
+
+@dataclass
+class MeasuredCapacity:
+    """Adapter bytes a pod may be assigned: what its engine reports (`loraplex_adapter_capacity_bytes`,
+    0 meaning no room), else the configured budget (`configured`, where 0 is unbounded). None: unbounded."""
+
+    scraped: EngineMetrics
+    configured: int
+
+    def __call__(self, endpoint: str) -> int | None:
+        measured = self.scraped.adapter_capacity(endpoint)
+        if measured is not None:
+            return measured
+        return self.configured or None
 
 
 # -- placement ------------------------------------------------------------------------------------------
@@ -186,7 +226,8 @@ class PlacementPolicy:
     cool_s: float = 30.0
     # An adapter with no request for this long gives its place (and its pages) up.
     idle_s: float = 300.0
-    # Bytes of adapter weights one pod may be assigned: its pool less the KV headroom; 0 is unbounded.
+    # Bytes of adapter weights one pod may be assigned (its pool less the KV headroom) where its engine
+    # reports no budget of its own (MeasuredCapacity); 0 is unbounded.
     pod_adapter_bytes: int = 0
     # Most pods in one set (0: every pod).
     max_replicas: int = 0
@@ -237,7 +278,7 @@ class Change:
     members: tuple[str, ...]
     added: tuple[str, ...]
     removed: tuple[str, ...]
-    reason: str  # placed, grew, shrank, idle, pods
+    reason: str  # placed, grew, shrank, idle, pods, capacity
 
 
 @dataclass
@@ -257,7 +298,7 @@ class Placement:
         self,
         policy: PlacementPolicy,
         clock: Callable[[], float] = time.monotonic,
-        capacity: Callable[[str], int] | None = None,
+        capacity: Callable[[str], int | None] | None = None,
         pool: str = "",
     ):
         self.policy, self.clock, self.pool = policy, clock, pool
@@ -286,9 +327,12 @@ class Placement:
     def assigned_bytes(self, pod: str) -> int:
         return self._used.get(pod, 0)
 
-    def capacity(self, pod: str) -> int:
-        """Adapter bytes `pod` may be assigned (0: unbounded)."""
-        return self._capacity(pod) if self._capacity else self.policy.pod_adapter_bytes
+    def capacity(self, pod: str) -> int | None:
+        """Adapter bytes `pod` may be assigned now (None: unbounded): the capacity function's answer, or
+        the policy's `pod_adapter_bytes` (0 there is unbounded). Read at each assignment."""
+        if self._capacity is not None:
+            return self._capacity(pod)
+        return self.policy.pod_adapter_bytes or None
 
     def subscribe(self, listener: Callable[[Change], None]) -> None:
         self._listeners.append(listener)
@@ -301,6 +345,15 @@ class Placement:
         if current == self.pods:
             return
         self.pods = current
+        self._replace("pods")
+
+    def refit(self) -> None:
+        """A pod's capacity changed (its engine reported a budget, or another one): every set is placed
+        again on the same pods, as when they change, so no pod stays assigned more than it now holds."""
+        self._replace("capacity")
+
+    def _replace(self, reason: str) -> None:
+        current = self.pods
         self._used, self._multi = {}, set()
         before = {key: list(a.members) for key, a in self._adapters.items()}
         # Canonical order (more replicas first, then key), so the result does not depend on history.
@@ -318,7 +371,7 @@ class Placement:
             adapter = self._adapters[key]
             if not adapter.members:  # no pod has room for it any more
                 del self._adapters[key]
-            self._emit(key, old, adapter.members, "pods")
+            self._emit(key, old, adapter.members, reason)
 
     def place(self, key: str, size: int) -> tuple[str, ...]:
         """The adapter's set, placing it on the first pod of its HRW order with room when it has none;
@@ -379,7 +432,7 @@ class Placement:
     # -- bookkeeping
     def _fits(self, pod: str, size: int) -> bool:
         capacity = self.capacity(pod)
-        return capacity == 0 or self._used.get(pod, 0) + size <= capacity
+        return capacity is None or self._used.get(pod, 0) + size <= capacity
 
     def _assign(self, key: str, adapter: _Adapter, pod: str) -> None:
         adapter.members.append(pod)
@@ -440,7 +493,7 @@ class Router:
         load: LoadSignal | None = None,
         clock: Callable[[], float] = time.monotonic,
         rng: random.Random | None = None,
-        capacity: Callable[[str], int] | None = None,
+        capacity: Callable[[str], int | None] | None = None,
     ):
         self.cooldown_s = cooldown_s
         self.discovery = discovery
@@ -449,7 +502,9 @@ class Router:
         self.load: LoadSignal = load or self.outstanding
         self.clock = clock
         self._rng = rng or random.Random()
-        self._capacity = capacity
+        # Adapter bytes each pod may be assigned (None: unbounded); None here: the policy's pod_adapter_bytes.
+        # engine_load.py sets a MeasuredCapacity, the engines' own budgets; read at every assignment.
+        self.capacity = capacity
         self._down_until: dict[str, float] = {}
         self._placements: OrderedDict[tuple[str, ...], Placement] = OrderedDict()
         self._listeners: list[Callable[[Change], None]] = []
@@ -468,7 +523,7 @@ class Router:
         pool = tuple(endpoints)
         placement = self._placements.get(pool)
         if placement is None:
-            placement = Placement(self.policy, self.clock, self._capacity, pool=",".join(pool))
+            placement = Placement(self.policy, self.clock, self._capacity_of, pool=",".join(pool))
             for listener in self._listeners:
                 placement.subscribe(listener)
             self._placements[pool] = placement
@@ -477,6 +532,17 @@ class Router:
         self._placements.move_to_end(pool)
         placement.set_pods(self.replicas(endpoints))
         return placement
+
+    def _capacity_of(self, pod: str) -> int | None:
+        if self.capacity is not None:
+            return self.capacity(pod)
+        return self.policy.pod_adapter_bytes or None
+
+    def refit(self, pod: str) -> None:
+        """`pod`'s capacity changed: the deployments it serves place their sets again (Placement.refit)."""
+        for placement in self._placements.values():
+            if pod in placement.pods:
+                placement.refit()
 
     def known_pods(self) -> set[str]:
         """Every pod of the deployments routed lately (what engine_load.py reads the queues of)."""
