@@ -61,7 +61,9 @@ class Gateway:
     def usage(self, count: int, timeout: float = 10.0) -> list[UsageRecord]:
         return recorded_usage(self.app, count, timeout)
 
-    def wait_for_ledger(self, expected: dict[int, int], timeout: float = 10.0) -> None:
+    # A ceiling, not a wait: the ledger settles within a second alone, but a loaded 2-core machine running
+    # two test workers has taken over 10 s to run the gateway's half-second minute check and its write.
+    def wait_for_ledger(self, expected: dict[int, int], timeout: float = 30.0) -> None:
         deadline = time.monotonic() + timeout
         while self.ledger() != expected:
             assert time.monotonic() < deadline, f"ledger {self.ledger()} never became {expected}"
