@@ -61,8 +61,9 @@ class Gateway:
     def usage(self, count: int, timeout: float = 10.0) -> list[UsageRecord]:
         return recorded_usage(self.app, count, timeout)
 
-    # A ceiling, not a wait: the ledger settles within a second alone, but a loaded 2-core machine running
-    # two test workers has taken over 10 s to run the gateway's half-second minute check and its write.
+    # A ceiling, not a wait: the ledger settles within a second alone, but a loaded 2-core machine (more
+    # work beside this test: under `make test`, the other worker) once took over 10 s to run the gateway's
+    # half-second minute check and its write.
     def wait_for_ledger(self, expected: dict[int, int], timeout: float = 30.0) -> None:
         deadline = time.monotonic() + timeout
         while self.ledger() != expected:
