@@ -55,7 +55,7 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> Response
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    app.add_exception_handler(OpenAIError, _openai_error)
+    app.add_exception_handler(OpenAIError, _openai_error)  # type: ignore[arg-type]
     app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
     app.add_exception_handler(StarletteHTTPException, _http_error)  # type: ignore[arg-type]
 
