@@ -120,24 +120,6 @@ class StrictApiServer(kmock.KubernetesEmulator):
 
     async def _handle(self, request: rendering.Request) -> Any:
         self._record_call(request)
-        try:
-            return await self._handle_stamped(request)
-        finally:
-            self._forget(request)
-
-    def _forget(self, request: rendering.Request) -> None:
-        """kmock keeps every request it served, and matching a request to a reaction scans that history for
-        it (by identity, through each reaction's filters): each request cost more than the one before, and
-        late in a long story (the cluster box's walkthrough: pods' status writes, watches, leases) the API
-        server answered in tens of seconds. Only requests still being handled can be matched: the history
-        keeps those alone (long watches included) and drops each request once answered."""
-        history = self._requests
-        for index in range(len(history) - 1, -1, -1):
-            if history[index] is request:
-                del history[index]
-                return
-
-    async def _handle_stamped(self, request: rendering.Request) -> Any:
         if request.resource is None or request.action not in (
             enums.action.CREATE,
             enums.action.UPDATE,
