@@ -12,6 +12,12 @@ from typing import Any
 
 import pytest
 import schemathesis
+
+# schemathesis loads its OpenAPI modules on first use, and pytest rewrites their asserts as it imports them
+# (schemathesis is a pytest plugin). A test elsewhere in the same worker that ends in a RecursionError (the
+# deep-nesting JSON refusals) can leave CPython 3.11's AST recursion counter off, and that import then fails
+# with "SystemError: AST constructor recursion depth mismatch": so they are imported here, at collection.
+import schemathesis.specs.openapi.schemas
 from hypothesis import HealthCheck, given, settings
 
 from tests.engine.server.conftest import DEMO_ADAPTER, INTERNAL, TOKEN, Server, running_server

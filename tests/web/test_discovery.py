@@ -111,6 +111,9 @@ class ApiServer:
 
     async def _stop(self) -> None:
         await self.http.close()
+        # The control plane's pod WATCH may still be open: ended here, or the server's exit waits for it
+        # (a teardown timed out at 20 s under load).
+        self.api.close_watches()
         await self.server.__aexit__(None, None, None)
         await self.api.__aexit__(None, None, None)
 
