@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 import yaml
 
 from tests.cluster.kube import KINDS, ApiError, Client, load_kinds_from
@@ -58,7 +59,10 @@ def _seconds(text: str) -> float:
 def _wait(check: Any, timeout: float, what: str) -> Any:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        result = check()
+        try:
+            result = check()
+        except httpx.HTTPError:  # a slow or busy API server: kubectl's wait retries too, until its timeout
+            result = None
         if result:
             return result
         time.sleep(0.5)
