@@ -43,7 +43,7 @@ from loraplex.wire.errors import (
     failure_error,
 )
 
-from . import jobs, protocol
+from . import jobs, protocol, tokenization
 from .async_engine import AsyncEngine
 from .delivery import (
     AbortingStreamingResponse,
@@ -175,6 +175,7 @@ def create_app(
     _install_error_handlers(app)
     _add_probe_routes(app, state)
     _add_generation_routes(app, state)
+    tokenization.add_routes(app, state)  # vLLM's /tokenize and /detokenize
     _add_adapter_routes(app, state)
     return app
 
