@@ -100,13 +100,15 @@ bench: install-dev
 	$(PY) -m loraplex.bench serve
 
 # llama.cpp beside loraplex in `python -m loraplex.bench quant` (never used by the tests): llama-cpp-python
-# built from its PyPI sdist for this CPU: GGML_NATIVE (-march=native: AVX2/AVX512/AMX as the CPU has them),
-# OpenMP threads, no BLAS, no GPU backend. Compiling takes ~15 minutes on 2 cores.
+# built from its PyPI sdist for this CPU, each x86 extension it has named by bench/llama_cpp_build.py
+# (AVX2/AVX512/VNNI/BF16 as the CPU's flags say), never -march=native and never AMX (ggml's AMX path died
+# with SIGILL on a Xeon that has it); OpenMP threads, no BLAS, no GPU backend. ~15 minutes on 2 cores.
+# LLAMA_CMAKE_ARGS="..." replaces the options.
 LLAMA_CPP_PYTHON ?= llama-cpp-python==0.3.36
-LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=ON -DGGML_OPENMP=ON -DGGML_BLAS=OFF -DGGML_CUDA=OFF -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
 .PHONY: bench-deps
-bench-deps: $(PY)
-	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=2 $(PIP) install --no-binary llama-cpp-python -c $(CONSTRAINTS) "$(LLAMA_CPP_PYTHON)"
+bench-deps: $(VENV)/.engine
+	args="$${LLAMA_CMAKE_ARGS:-$$($(PY) -m loraplex.bench.llama_cpp_build)}" && echo "llama.cpp CMake options: $$args" && \
+	CMAKE_ARGS="$$args" CMAKE_BUILD_PARALLEL_LEVEL=2 $(PIP) install --no-binary llama-cpp-python -c $(CONSTRAINTS) "$(LLAMA_CPP_PYTHON)"
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -15,7 +15,8 @@ one stream, and `--streams` sequences decoded together (one `llama_decode` batch
 sequence, each on its own sequence id: llama.cpp's batched decoding). It has no multi-adapter batch: its
 rows are without an adapter and with one LoRA on the context (the engine's synthetic a0 written as a
 llama.cpp GGUF LoRA by bench/gguf_lora.py), the LoRA rows only after the demo adapter's llama.cpp replies
-pass the check LlamaCppLoras describes. When llama-cpp-python is missing the rows say how to build it.
+pass the check LlamaCppLoras describes, and no llama.cpp row at all unless its replies without an adapter
+agree with loraplex float32's (ReplyCheck). When llama-cpp-python is missing the rows say how to build it.
 """
 
 from __future__ import annotations
@@ -118,19 +119,33 @@ def _quiet_log(llama_cpp: Any) -> Any:
 
 
 @dataclass
+class ReplyCheck:
+    """loraplex float32's greedy replies (`reference`) to the demo prompts, with an adapter or without: the
+    replies llama.cpp gives on the same file must agree before its rows are reported (the mean common
+    prefix at least half the reply; llama.cpp computes Q4_1 products on 8-bit activations, so near ties may
+    still part). A build that runs but computes garbage (issue 30: a -march=native build on a Xeon with AMX)
+    would otherwise give fast, meaningless rows."""
+
+    prompts: list[list[int]]
+    reference: list[list[int]]
+    decode: Callable[[list[int]], str]
+
+    def agreement(self, tokens: list[list[int]]) -> tuple[float, int]:
+        """The mean common prefix fraction and how many replies are identical."""
+        same = sum(list(a) == list(b) for a, b in zip(self.reference, tokens, strict=True))
+        return common_prefix_fraction(self.reference, tokens), same
+
+
+@dataclass
 class LlamaCppLoras:
     """GGUF adapters for llama.cpp: `timed`, the engine's synthetic adapter a0 (same weights, rank 8), for
     the LoRA rows; `demo`, the demo adapter, checked before any llama.cpp LoRA figure is reported (a wrong
     conversion would otherwise give a fast, meaningless row): its greedy replies must be >= 90% capitals
-    and agree with `reference`, loraplex float32's greedy tokens with the same adapter on the same prompts
-    (the mean common prefix at least half the reply; llama.cpp computes Q4_1 products on 8-bit activations,
-    so near ties may still part). Capitals alone do not see a dropped q/k permutation; agreement does."""
+    and pass `check`. Capitals alone do not see a dropped q/k permutation; agreement does."""
 
     timed: Path
     demo: Path
-    demo_prompts: list[list[int]]
-    reference: list[list[int]]
-    decode: Callable[[list[int]], str]
+    check: ReplyCheck
 
 
 def uppercase_ratio(texts: list[str]) -> float:
@@ -149,8 +164,28 @@ def common_prefix_fraction(ours: list[list[int]], theirs: list[list[int]]) -> fl
     return sum(fractions) / max(len(fractions), 1)
 
 
-def write_llama_cpp_loras(path: str, engines: dict[str, Any], directory: Path) -> LlamaCppLoras:
-    from loraplex.engine import EngineConfig, LLMEngine, SamplingParams
+def reference_engine(path: str, engines: dict[str, Any]) -> Any:
+    from loraplex.engine import EngineConfig, LLMEngine
+
+    return engines.get("float32 none") or LLMEngine(
+        EngineConfig(model=path, device="cpu", dtype="float32", quantization="none")
+    )
+
+
+def reference_replies(reference: Any, adapter: str | None) -> ReplyCheck:
+    """loraplex float32's greedy replies to DEMO_PROMPTS (chat template), with `adapter` or the base."""
+    from loraplex.engine import SamplingParams
+
+    tokenizer = reference.tokenizer
+    if tokenizer is None:
+        raise RuntimeError("the engine has no tokenizer: the llama.cpp reply checks need one")
+    prompts = [tokenizer.encode_chat([{"role": "user", "content": p}]) for p in DEMO_PROMPTS]
+    params = SamplingParams(max_tokens=DEMO_NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    outputs = reference.generate(prompts, params, [adapter] * len(prompts))
+    return ReplyCheck(prompts, [list(o.token_ids) for o in outputs], tokenizer.decode)
+
+
+def write_llama_cpp_loras(path: str, reference: Any, directory: Path) -> LlamaCppLoras:
     from loraplex.engine.lora.synthetic import SyntheticAdapter
 
     from .gguf_lora import BaseGGUF, open_peft, write_lora_gguf
@@ -158,25 +193,23 @@ def write_llama_cpp_loras(path: str, engines: dict[str, Any], directory: Path) -
     base = BaseGGUF(Path(path))
     timed = write_lora_gguf(SyntheticAdapter(base.shape, seed=1, rank=8), base, directory / "a0.gguf")
     demo = write_lora_gguf(open_peft(DEMO_ADAPTER_DIR, base), base, directory / "demo-uppercase.gguf")
-    reference = engines.get("float32 none") or LLMEngine(
-        EngineConfig(model=path, device="cpu", dtype="float32", quantization="none")
-    )
-    tokenizer = reference.tokenizer
-    if tokenizer is None:
-        raise RuntimeError("the engine has no tokenizer: the demo adapter check needs one")
-    prompts = [tokenizer.encode_chat([{"role": "user", "content": p}]) for p in DEMO_PROMPTS]
     reference.register_adapter("demo-uppercase", DEMO_ADAPTER_DIR)
-    params = SamplingParams(max_tokens=DEMO_NEW_TOKENS, temperature=0.0, ignore_eos=True)
-    outputs = reference.generate(prompts, params, ["demo-uppercase"] * len(prompts))
+    check = reference_replies(reference, "demo-uppercase")
     reference.unregister_adapter("demo-uppercase")
-    return LlamaCppLoras(timed, demo, prompts, [list(o.token_ids) for o in outputs], tokenizer.decode)
+    return LlamaCppLoras(timed, demo, check)
 
 
 def llama_cpp_figures(
-    path: str, args: argparse.Namespace, prompts: list[list[int]], loras: LlamaCppLoras | None
+    path: str,
+    args: argparse.Namespace,
+    prompts: list[list[int]],
+    base: ReplyCheck,
+    loras: LlamaCppLoras | None,
 ) -> tuple[list[Figure], list[str]] | str:
     """llama.cpp on the same file: one stream, then `streams` sequences per llama_decode batch; without
-    an adapter, then (with `loras`) with one LoRA on the context. Returns the figures and notes."""
+    an adapter, then (with `loras`) with one LoRA on the context. Its rows are reported only where its
+    replies pass the checks (`base` without an adapter, `loras.check` with the demo adapter). Returns the
+    figures and notes."""
     try:
         import llama_cpp
     except ImportError:
@@ -191,8 +224,8 @@ def llama_cpp_figures(
     model = llama_cpp.llama_model_load_from_file(path.encode(), llama_cpp.llama_model_default_params())
     if not model:
         return f"llama.cpp could not load {path}"
-    longest = max([args.prompt_len, *(len(p) for p in loras.demo_prompts)] if loras else [args.prompt_len])
-    sequences = max(streams, len(loras.demo_prompts) if loras else 1)
+    longest = max([args.prompt_len, *(len(p) for p in base.prompts)])
+    sequences = max(streams, len(base.prompts))
     params = llama_cpp.llama_context_default_params()
     params.n_ctx = sequences * (longest + max(args.new_tokens, DEMO_NEW_TOKENS) + 8)
     params.n_batch = params.n_ubatch = max(512, sequences * longest)
@@ -206,6 +239,8 @@ def llama_cpp_figures(
     run = LlamaCppRun(llama_cpp, ctx, vocab)
     notes: list[str] = []
     try:
+        if not checked_replies(run, base, "llama.cpp (no adapter)", notes):
+            return [], [*notes, "llama.cpp rows withheld: its replies disagree with loraplex float32's"]
         figures = _llama_cpp_cases(run, args, prompts, "")
         if loras is None:
             return figures, notes
@@ -216,18 +251,8 @@ def llama_cpp_figures(
                 return figures, [f"llama.cpp could not load the LoRA adapter {file}"]
         # The check: the demo adapter's greedy replies in capitals (the engine's own test's prompts).
         run.set_lora(adapters["demo"])
-        tokens = run.generate(loras.demo_prompts, DEMO_NEW_TOKENS)
-        replies = [loras.decode(t) for t in tokens]
-        ratio = uppercase_ratio(replies)
-        agree = common_prefix_fraction(loras.reference, tokens)
-        same = sum(list(a) == list(b) for a, b in zip(loras.reference, tokens, strict=True))
-        notes.append(
-            f"llama.cpp + demo-uppercase (our GGUF LoRA): {100 * ratio:.1f}% of reply letters capitals; "
-            f"greedy tokens as loraplex float32's: mean common prefix {100 * agree:.0f}%, {same} of "
-            f"{len(tokens)} replies identical ({DEMO_NEW_TOKENS} tokens)"
-        )
-        if ratio < 0.9 or agree < 0.5:
-            notes.append(f"llama.cpp LoRA rows withheld: the check above failed; its replies: {replies}")
+        if not checked_replies(run, loras.check, "llama.cpp + demo-uppercase (our GGUF LoRA)", notes, 0.9):
+            notes.append("llama.cpp LoRA rows withheld: the check above failed")
             return figures, notes
         run.set_lora(adapters["timed"])
         figures += _llama_cpp_cases(run, args, prompts, " + 1 LoRA")
@@ -236,6 +261,28 @@ def llama_cpp_figures(
     finally:
         llama_cpp.llama_free(ctx)
         llama_cpp.llama_model_free(model)  # frees its adapters too
+
+
+def checked_replies(
+    run: Any, check: ReplyCheck, label: str, notes: list[str], capitals: float | None = None
+) -> bool:
+    """llama.cpp's greedy replies to the check's prompts against loraplex's: the mean common prefix at
+    least half, and with `capitals` at least that share of reply letters capitals. Adds a note either way,
+    with the replies when they fail."""
+    tokens = run.generate(check.prompts, DEMO_NEW_TOKENS)
+    replies = [check.decode(t) for t in tokens]
+    agree, same = check.agreement(tokens)
+    note = (
+        f"{label}: greedy tokens as loraplex float32's: mean common prefix {100 * agree:.0f}%, {same} of "
+        f"{len(tokens)} replies identical ({DEMO_NEW_TOKENS} tokens)"
+    )
+    passed = agree >= 0.5
+    if capitals is not None:
+        ratio = uppercase_ratio(replies)
+        note += f"; {100 * ratio:.1f}% of reply letters capitals"
+        passed = passed and ratio >= capitals
+    notes.append(note if passed else f"{note}; FAILED, its replies: {replies}")
+    return passed
 
 
 class LlamaCppRun:
@@ -362,11 +409,13 @@ def run(args: argparse.Namespace) -> int:
         path = (
             str(args.model) if args.model and str(args.model).endswith(".gguf") else str(default_model_path())
         )
+        reference = reference_engine(path, engines)
+        base = reference_replies(reference, None)
         with tempfile.TemporaryDirectory(prefix="loraplex-gguf-lora-") as directory:
             loras = None
             if not args.no_llama_cpp_lora:
-                loras = write_llama_cpp_loras(path, engines, Path(directory))
-            llama = llama_cpp_figures(path, args, prompts, loras)
+                loras = write_llama_cpp_loras(path, reference, Path(directory))
+            llama = llama_cpp_figures(path, args, prompts, base, loras)
         if not isinstance(llama, str):
             figures += llama[0]
     print(

@@ -78,4 +78,6 @@ def test_a_tenant_behind_a_flood_goes_first_with_fair_and_last_with_fcfs(make_se
     a_fair, b_fair = results["fair"]
     print(f"B's TTFT behind 6 of A's: fcfs {b_fcfs * 1000:.0f} ms, fair {b_fair * 1000:.0f} ms")
     assert all(t < b_fcfs for t in a_fcfs)  # FCFS: every A request queued before B went first
-    assert sum(t > b_fair for t in a_fair) >= 3  # fair: B went before A's queue (2 were running)
+    # fair: B went before A's queue. 4 of A's were waiting when B was sent; under load one batch of A's may
+    # finish and 2 more start before B's request reaches the engine, so at least 2 must still follow B.
+    assert sum(t > b_fair for t in a_fair) >= 2
