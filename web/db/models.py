@@ -21,6 +21,7 @@ from sqlalchemy import (
     String,
     Text,
     UniqueConstraint,
+    true,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
@@ -70,6 +71,14 @@ class Tenant(Base):
     quota: Mapped[Quota | None] = relationship(back_populates="tenant", cascade="all, delete-orphan")
 
 
+class KeyScope(enum.StrEnum):
+    """What a key may do: ALL (manage, read, infer), INFERENCE (call models only), READ (listings, usage)."""
+
+    ALL = "all"
+    INFERENCE = "inference"
+    READ = "read"
+
+
 class ApiKey(Base):
     __tablename__ = "api_keys"
 
@@ -83,6 +92,12 @@ class ApiKey(Base):
     expires_at: Mapped[dt.datetime | None]
     revoked_at: Mapped[dt.datetime | None]
     last_used_at: Mapped[dt.datetime | None]
+    # What the key may do (services/scopes.py); keys made before scopes existed have all of it.
+    scope: Mapped[str] = mapped_column(String(16), default=KeyScope.ALL.value, server_default="all")
+    # The adapter names the key may call and manage; None: every adapter of its tenant.
+    adapters: Mapped[list[str] | None] = mapped_column(JSON)
+    # Whether the key may call the base models (an adapter-limited key usually may not).
+    base_model: Mapped[bool] = mapped_column(default=True, server_default=true())
 
 
 class Deployment(Base):
@@ -101,9 +116,30 @@ class Deployment(Base):
     created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
 
 
+class AdapterName(Base):
+    """One adapter name of a tenant: which of its versions the bare name addresses, and the last version
+    number given, so a number is never given to other bytes while the name lives. Every writer of an
+    adapter takes this row first (services/adapters.py)."""
+
+    __tablename__ = "adapter_names"
+
+    tenant_id: Mapped[uuid.UUID] = mapped_column(
+        ForeignKey("tenants.id", ondelete="CASCADE"), primary_key=True
+    )
+    name: Mapped[str] = mapped_column(String(128), primary_key=True)
+    # The version `model: "<name>"` addresses; None only while the name has no version left to point at.
+    active_version: Mapped[int | None]
+    last_version: Mapped[int] = mapped_column(default=0)
+
+
 class Adapter(Base):
+    """One version of a tenant's adapter: its own bytes (digest), status and id, the id the engines know
+    it by, so two versions of a name are two engine adapters and may share a batch."""
+
     __tablename__ = "adapters"
-    __table_args__ = (UniqueConstraint("tenant_id", "name", name="uq_adapters_tenant_id_name"),)
+    __table_args__ = (
+        UniqueConstraint("tenant_id", "name", "version", name="uq_adapters_tenant_id_name_version"),
+    )
 
     id: Mapped[uuid.UUID] = mapped_column(primary_key=True, default=uuid.uuid4)
     tenant_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
@@ -111,6 +147,8 @@ class Adapter(Base):
         ForeignKey("deployments.id", ondelete="RESTRICT"), index=True
     )
     name: Mapped[str] = mapped_column(String(128))
+    # 1, 2, ... within the name: `model: "<name>@<version>"` addresses it.
+    version: Mapped[int] = mapped_column(default=1, server_default="1")
     status: Mapped[AdapterStatus] = mapped_column(
         Enum(AdapterStatus, name="adapter_status", values_callable=lambda e: [m.value for m in e]),
         default=AdapterStatus.UPLOADED,
@@ -121,6 +159,8 @@ class Adapter(Base):
     bytes: Mapped[int] = mapped_column(BigInteger, default=0)
     sha256: Mapped[str | None] = mapped_column(String(64))
     storage_uri: Mapped[str | None] = mapped_column(Text)
+    # Who uploaded it, as words kept after the key or user is gone: "key lpx_AbCd1234 (ci)", "user a@b.c".
+    uploaded_by: Mapped[str | None] = mapped_column(String(400))
     created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
 
     deployment: Mapped[Deployment] = relationship()
