@@ -15,7 +15,7 @@ from loraplex.adapters import ArtifactStore
 
 from . import console
 from .api.limits import BodySizeLimit
-from .api.routes import adapters, deployments, gateway, health, keys, storage, tenants, usage
+from .api.routes import adapters, deployments, gateway, health, keys, storage, tenants, tokenize, usage
 from .db.session import Database
 from .services import adapters as adapters_service
 from .services.deployments import all_endpoints
@@ -117,7 +117,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         upload_bytes=settings.max_upload_bytes + FORM_OVERHEAD_BYTES,  # files + multipart framing
     )
     app.add_exception_handler(ServiceError, _service_error)  # type: ignore[arg-type]
-    for module in (health, tenants, deployments, keys, adapters, storage, usage, gateway):
+    for module in (health, tenants, deployments, keys, adapters, storage, usage, gateway, tokenize):
         app.include_router(module.router)
     gateway.install_error_handlers(app)
     console.install(app, settings)

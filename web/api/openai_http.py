@@ -41,8 +41,12 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> Re
     return await request_validation_exception_handler(request, exc)
 
 
+# vLLM's tokenization endpoints sit at the root, beside /v1: their errors are OpenAI's shape too.
+_TOKENIZATION_PATHS = frozenset({"/tokenize", "/detokenize"})
+
+
 def _is_openai_path(path: str) -> bool:
-    return path == "/v1" or path.startswith("/v1/")
+    return path == "/v1" or path.startswith("/v1/") or path in _TOKENIZATION_PATHS
 
 
 async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
