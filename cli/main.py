@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, NoReturn
 
 # The options' declarations (no torch, no FastAPI): every engine and server flag is built from them.
@@ -72,6 +73,20 @@ def _serve(args: argparse.Namespace) -> int:
         report_fatal(f"loraplex serve: {exc}")
         return 2
     return run_server(settings)
+
+
+def _tokenizer_export(args: argparse.Namespace) -> int:
+    from loraplex.engine.model.errors import ModelLoadError
+    from loraplex.engine.tokenizer_export import export_tokenizer, load_tokenizer
+
+    try:
+        tokenizer, context = load_tokenizer(args.model)
+        directory = export_tokenizer(tokenizer, args.directory, context)
+    except (ModelLoadError, OSError) as exc:
+        print(f"loraplex tokenizer export: {exc}", file=sys.stderr)
+        return 2
+    print(directory)
+    return 0
 
 
 def _problem(error: Any) -> str:
@@ -157,6 +172,27 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_arguments(serve)
     serve.one_line_errors = True
     serve.set_defaults(handler=_serve, command_parser=serve)
+
+    tokenizer = commands.add_parser("tokenizer", help="the model's tokenizer, for tools outside loraplex")
+    tokenizer_commands = tokenizer.add_subparsers(
+        dest="tokenizer_command", required=True, parser_class=Parser
+    )
+    export = tokenizer_commands.add_parser(
+        "export",
+        help="write the model's tokenizer as a Hugging Face tokenizer directory",
+        description="Writes tokenizer.json, tokenizer_config.json (special tokens, chat template, context "
+        "length) and special_tokens_map.json: transformers' AutoTokenizer.from_pretrained(DIR) loads it "
+        "and tokenizes exactly as the engine does (benchmark clients such as guidellm and inference-perf "
+        "need it).",
+    )
+    export.add_argument("directory", type=Path, help="where to write it (made if missing)")
+    export.add_argument(
+        "--model",
+        default=None,
+        help="a .gguf file or a Hugging Face model directory, as `loraplex serve --model` takes "
+        "(default: the bundled SmolLM2-135M-Instruct)",
+    )
+    export.set_defaults(handler=_tokenizer_export)
 
     from loraplex.web import cli as web_cli
 
