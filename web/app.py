@@ -27,6 +27,7 @@ from .services.in_flight import InFlight
 from .services.multipart import FORM_OVERHEAD_BYTES
 from .services.prewarm import Prewarmer
 from .services.routing import PlacementPolicy, Router
+from .services.scopes import ScopeRefused
 from .settings import Settings
 
 log = logging.getLogger("loraplex.web")
@@ -134,4 +135,7 @@ def _sweep(db: Database, store: ArtifactStore) -> None:
 
 async def _service_error(request: Request, exc: ServiceError) -> JSONResponse:
     headers = {"Retry-After": str(exc.retry_after)} if isinstance(exc, QuotaExceeded) else None
-    return JSONResponse({"detail": exc.message}, status_code=exc.status_code, headers=headers)
+    body: dict[str, object] = {"detail": exc.message}
+    if isinstance(exc, ScopeRefused):  # OpenAI's error shape too, its code naming the refusal
+        body.update(exc.error.body())
+    return JSONResponse(body, status_code=exc.status_code, headers=headers)

@@ -17,10 +17,13 @@ from pydantic import (
     ValidationError,
 )
 
+from .db.models import KeyScope
 from .services.discovery import is_kubernetes_uri, parse_target
 from .services.endpoint_policy import endpoint_problem
 
 Name = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")]
+# The longest overlap a rotated key keeps working beside its successor: 30 days.
+MAX_ROTATION_OVERLAP_S = 30 * 24 * 3600
 # Free text stored or looked up: no control characters (Postgres text cannot hold NUL, logs should not).
 PRINTABLE = r"^[^\x00-\x1f\x7f]+$"
 Label = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=PRINTABLE)]
@@ -84,9 +87,37 @@ class TenantPublic(Public):
     quota: QuotaPublic
 
 
+# The adapters one key may be limited to: a bounded list of adapter names.
+MAX_KEY_ADAPTERS = 256
+
+
 class KeyCreate(BaseModel):
     name: Label
     expires_at: dt.datetime | None = None
+    scope: KeyScope = Field(
+        default=KeyScope.ALL,
+        description="`all`: manage, read and call models; `inference`: call models only; "
+        "`read`: listings and usage only.",
+    )
+    adapters: list[Name] | None = Field(
+        default=None,
+        max_length=MAX_KEY_ADAPTERS,
+        description="The adapter names the key may use; null: every adapter of the tenant.",
+    )
+    base_model: bool | None = Field(
+        default=None,
+        description="Whether the key may call the base models; default: yes without an adapter list, "
+        "no with one.",
+    )
+
+
+class KeyRotate(BaseModel):
+    overlap_seconds: int = Field(
+        default=0,
+        ge=0,
+        le=MAX_ROTATION_OVERLAP_S,
+        description="How long the old key stays valid beside the new one (never past its own expiry).",
+    )
 
 
 class KeyPublic(Public):
@@ -97,6 +128,9 @@ class KeyPublic(Public):
     expires_at: dt.datetime | None
     revoked_at: dt.datetime | None
     last_used_at: dt.datetime | None
+    scope: KeyScope = KeyScope.ALL
+    adapters: list[str] | None = Field(default=None, description="null: every adapter of the tenant.")
+    base_model: bool = True
 
 
 class KeyCreated(KeyPublic):
@@ -191,8 +225,11 @@ class DeploymentPublic(Public):
 
 
 class AdapterPublic(Public):
-    id: uuid.UUID
+    """An adapter as one of its versions: the active one, unless a version was asked for."""
+
+    id: uuid.UUID = Field(description="The version's id (each version is its own adapter on the engines).")
     name: str
+    version: int = Field(description='Request exactly this version as `model: "<name>@<version>"`.')
     deployment: str
     base_model: str
     status: str
@@ -201,7 +238,29 @@ class AdapterPublic(Public):
     target_modules: list[str]
     bytes: int
     sha256: str | None
+    uploaded_by: str | None = Field(description="The key or console user that uploaded this version.")
     created_at: dt.datetime
+
+
+class AdapterVersionPublic(Public):
+    """One version of an adapter, as `GET /api/v1/adapters/{name}/versions` lists them."""
+
+    id: uuid.UUID
+    version: int
+    active: bool = Field(description="Whether the bare name addresses this version.")
+    status: str
+    error: str | None
+    sha256: str | None = Field(description="The whole adapter's content digest: the version's identity.")
+    bytes: int
+    rank: int | None
+    uploaded_by: str | None
+    created_at: dt.datetime
+
+
+class AdapterRollback(BaseModel):
+    """Which version the bare name should address; omitted: the newest ready version before the active."""
+
+    version: int | None = Field(default=None, ge=1, le=2**31 - 1)
 
 
 class StorageUsagePublic(BaseModel):

@@ -118,10 +118,13 @@ def test_uploading_again_replaces_a_failed_adapter_and_clears_its_error(
     assert replaced.status_code == 201, replaced.text
     body = replaced.json()
     assert body["status"] == "ready" and body["error"] is None and body["id"] != failed["id"]
+    assert (failed["version"], body["version"]) == (1, 2)  # a number once shown is never given again
     assert client.get("/api/v1/storage", headers=tenant).json()["adapters"] == 1  # replaced, not added
-    # A ready adapter is never replaced by an upload: its name is taken until it is deleted.
-    taken = upload(client, tenant, loose(peft_dir))
-    assert taken.status_code == 409 and "already exists" in taken.json()["detail"]
+    versions = client.get("/api/v1/adapters/a1/versions", headers=tenant).json()
+    assert [(v["version"], v["status"]) for v in versions] == [(2, "ready")]  # the failed one is gone
+    # A ready version is never replaced: the same bytes again are that version, no new one.
+    again = upload(client, tenant, loose(peft_dir))
+    assert again.status_code == 200 and again.json()["id"] == body["id"]
     assert client.get("/api/v1/adapters/a1", headers=tenant).json()["id"] == body["id"]
 
 

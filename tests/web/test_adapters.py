@@ -63,7 +63,9 @@ def test_upload_loose_files_validates_and_stores(
     assert len(stored(client)) == 2
     assert client.get("/api/v1/adapters/a1", headers=tenant).json()["sha256"] == body["sha256"]
     assert [a["name"] for a in client.get("/api/v1/adapters", headers=tenant).json()] == ["a1"]
-    assert upload(client, tenant, loose(peft_dir)).status_code == 409  # name taken
+    again = upload(client, tenant, loose(peft_dir))  # the same bytes: one version, no new row
+    assert again.status_code == 200 and again.json()["id"] == body["id"] and again.json()["version"] == 1
+    assert len(stored(client)) == 2
     assert client.delete("/api/v1/adapters/a1", headers=tenant).status_code == 204
     assert client.get("/api/v1/adapters/a1", headers=tenant).status_code == 404
 

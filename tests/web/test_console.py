@@ -17,7 +17,7 @@ from sqlalchemy import select, update
 from loraplex.cli.main import main as loraplex_main
 from loraplex.web.console import charts
 from loraplex.web.console.auth import safe_next
-from loraplex.web.db.models import ApiKey, ConsoleSession, SignInFailures, UsageRecord, UserRole
+from loraplex.web.db.models import Adapter, ApiKey, ConsoleSession, SignInFailures, UsageRecord, UserRole
 from loraplex.web.services import users
 
 from .conftest import ADMIN, SHAPE, Api, loose
@@ -331,9 +331,13 @@ def test_adapter_upload_without_javascript_shows_errors_inline_and_deletes_after
     made = upload("a1", loose(peft_dir))
     assert made.status_code == 200 and "Adapter “a1” is ready" in made.text
     assert re.search(r'badge-ready">ready<', made.text)
-    again = upload("a1", loose(peft_dir), accept="application/json")
-    assert again.status_code == 409 and "already exists" in again.json()["errors"]["name"]
+    again = upload("a1", loose(peft_dir), accept="application/json")  # the same bytes: no new version
+    assert again.status_code == 201 and again.json()["status"] == "ready"
     assert member.get("/console/adapters/status").json() == {"a1": "ready"}
+    with member.app.state.db.session() as session:  # type: ignore[attr-defined]
+        rows = session.execute(select(Adapter.version, Adapter.uploaded_by)).all()
+    # One version, who uploaded it named; the two refused uploads were versions 1 and 2, replaced by it.
+    assert [tuple(r) for r in rows] == [(3, "user ada@acme.test")]
 
     asked = post_form(member, "/console/adapters", "/console/adapters/a1/delete", {})
     assert "Delete the adapter “a1”?" in asked.text

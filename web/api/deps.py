@@ -1,4 +1,5 @@
-"""Request dependencies as Annotated aliases: SessionDep, AdminDep, CurrentTenant, SettingsDep."""
+"""Request dependencies as Annotated aliases: SessionDep, AdminDep, CurrentTenant (any key of the tenant),
+its scoped forms Reader, Manager and KeyManager (services/scopes.py), SettingsDep."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
 
 from ..db.session import Database
+from ..services import scopes
 from ..services.keys import Principal, authenticate
 from ..settings import Settings
 
@@ -69,3 +71,26 @@ def current_tenant(request: Request, credentials: Credentials) -> Principal:
 
 
 CurrentTenant = Annotated[Principal, Depends(current_tenant)]
+
+
+def reader(principal: CurrentTenant) -> Principal:
+    scopes.require_read(principal.limits, "read listings or usage")
+    return principal
+
+
+def manager(principal: CurrentTenant) -> Principal:
+    scopes.require_manage(principal.limits, "change adapters")
+    return principal
+
+
+def key_manager(principal: CurrentTenant) -> Principal:
+    scopes.require_full(principal.limits, "manage API keys")
+    return principal
+
+
+# A key that may read listings and usage (scope read or all).
+Reader = Annotated[Principal, Depends(reader)]
+# A key that may change adapters (scope all; its adapter list still limits which).
+Manager = Annotated[Principal, Depends(manager)]
+# A key that may make, rotate and revoke keys (everything: scope all, every adapter, the base models).
+KeyManager = Annotated[Principal, Depends(key_manager)]

@@ -105,6 +105,7 @@ async def upload_adapter(
                     deployment,
                     chosen,
                     settings.max_upload_bytes,
+                    f"user {user.email}",  # kept on the version as who uploaded it
                 )
     except ServiceError as exc:
         field = "name" if exc.status_code == 409 else "deployment" if exc.status_code == 404 else "files"

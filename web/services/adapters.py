@@ -1,21 +1,30 @@
 """Adapters: validate an upload against its deployment's base model, store it, and list or delete it.
 
-An adapter's status says where it is: UPLOADED (its row exists and its files have arrived), VALIDATING
+An adapter is a name with versions. Each version is one `adapters` row with its own bytes (its digest),
+status and id, and the engines know it by that id, so two versions of a name are two engine adapters. The
+name's `adapter_names` row says which version the bare name addresses (the active one) and the last
+version number given. Uploading under a name the tenant has creates its next version, which becomes active
+once it is ready (an upload deploys); bytes the name already has as a ready version make no new version,
+that version becomes active instead. Rollback (services/versions.py) makes another ready version active.
+
+A version's status says where it is: UPLOADED (its row exists and its files have arrived), VALIDATING
 (unpacked, being checked against the base model), READY (stored; the gateway routes it), or FAILED with
 `error` saying why in words its tenant can act on: its upload was refused for its contents, it never
-finished (the control plane stopped mid-upload), or an engine refused it at run time. A FAILED adapter
-keeps its name and counts against max_adapters (so refused uploads cannot pile up rows without bound);
-uploading again under that name replaces it. Refusals that are not the adapter's fault (quota, storage
-down, name taken) keep nothing. Deleting an adapter reaches the engines through services/engine_sync.py.
+finished (the control plane stopped mid-upload), or an engine refused it at run time. A failed version is
+kept, with its reason, until the next upload under its name replaces it (so refused uploads cannot pile up
+rows without bound) or it is deleted. A name holds one upload in progress at a time. Refusals that are not
+the upload's fault (quota, storage down) keep nothing. Deletes reach the engines through engine_sync.py.
 
-Storage is content-addressed and reference-counted: an adapter's object in the artifact store is keyed by
-its whole-adapter digest (config and weights) and shared by every adapter row with that digest; the
-`artifacts` row counts them, and the object is deleted once none is left. Quotas (adapters per tenant,
-bytes per tenant) are enforced by single conditional UPDATEs on the tenant's `storage_usage` counters,
-never by counting and then inserting, so parallel uploads cannot overshoot them on SQLite or Postgres.
+Storage is content-addressed and reference-counted: a version's object in the artifact store is keyed by
+its whole-adapter digest (config and weights) and shared by every version with that digest; the
+`artifacts` row counts them, and the object is deleted once none is left. Quotas are enforced by single
+conditional UPDATEs on the tenant's `storage_usage` counters, never by counting and then inserting, so
+parallel uploads cannot overshoot them on SQLite or Postgres: max_adapters counts names (a new version of
+a name never needs another), max_storage_bytes the bytes of every version.
 
-Every transaction that writes takes its rows in one order (adapter, then storage_usage, then artifact),
-and on SQLite its first statement is a write, so it holds the database's write lock from its start.
+Every transaction that writes takes its rows in one order (adapter name, then adapter, then storage_usage,
+then artifact), and on SQLite its first statement is a write, so it holds the database's write lock from
+its start.
 """
 
 from __future__ import annotations
@@ -31,7 +40,6 @@ from typing import Any
 
 from sqlalchemy import Select, delete, func, select, update
 from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, selectinload
 
 from loraplex.adapters import (
@@ -43,8 +51,8 @@ from loraplex.adapters import (
 )
 from loraplex.adapters.digest import ADAPTER_FILES
 
-from ..db.models import Adapter, AdapterStatus, Artifact, Deployment, StorageUsage, utcnow
-from ..schemas import AdapterPublic, StorageUsagePublic
+from ..db.models import Adapter, AdapterName, AdapterStatus, Artifact, Deployment, StorageUsage, utcnow
+from ..schemas import AdapterPublic, AdapterVersionPublic, StorageUsagePublic
 from . import deployments
 from .errors import Conflict, Forbidden, Invalid, NotFound, ServiceError, TooLarge
 from .failure_reason import public_reason
@@ -64,6 +72,11 @@ MAX_ERROR_CHARS = 1000
 INTERRUPTED = "the upload was interrupted before it was validated; upload the adapter again"
 IN_PROGRESS = (AdapterStatus.UPLOADED, AdapterStatus.VALIDATING)
 GONE_WHILE_UPLOADING = "the adapter was deleted or replaced while it was being uploaded; upload it again"
+# The deployment a name's versions fit: one, so every version of a name serves the same base model.
+OTHER_DEPLOYMENT = (
+    "the versions of adapter {name!r} fit deployment {deployment!r}; upload this one to it, or delete the "
+    "adapter first"
+)
 
 
 class StorageUnavailable(ServiceError):
@@ -76,6 +89,7 @@ def to_public(adapter: Adapter) -> AdapterPublic:
     return AdapterPublic(
         id=adapter.id,
         name=adapter.name,
+        version=adapter.version,
         deployment=adapter.deployment.name,
         base_model=adapter.deployment.base_model,
         status=adapter.status.value,
@@ -84,8 +98,32 @@ def to_public(adapter: Adapter) -> AdapterPublic:
         target_modules=list(adapter.target_modules),
         bytes=adapter.bytes,
         sha256=adapter.sha256,
+        uploaded_by=adapter.uploaded_by,
         created_at=adapter.created_at,
     )
+
+
+def to_version(adapter: Adapter, active_version: int | None) -> AdapterVersionPublic:
+    return AdapterVersionPublic(
+        id=adapter.id,
+        version=adapter.version,
+        active=adapter.version == active_version,
+        status=adapter.status.value,
+        error=adapter.error,
+        sha256=adapter.sha256,
+        bytes=adapter.bytes,
+        rank=adapter.rank,
+        uploaded_by=adapter.uploaded_by,
+        created_at=adapter.created_at,
+    )
+
+
+@dataclass(frozen=True)
+class Uploaded:
+    """What an upload left: the version it made (created), or the version that already held its bytes."""
+
+    adapter: AdapterPublic
+    created: bool
 
 
 def upload_adapter(
@@ -96,10 +134,29 @@ def upload_adapter(
     deployment_name: str,
     files: list[UploadedFile],
     upload_limit: int,
+    uploaded_by: str | None = None,
 ) -> AdapterPublic:
-    """Validate and store an adapter. Refused for its contents (Invalid, TooLarge): the adapter is kept
-    FAILED with the reason, and the error raised. Refused for anything else: nothing is kept (no row, no
-    artifact, no quota)."""
+    """upload_version's adapter: the version now active under `name` (the console and bootstrap's call)."""
+    uploaded = upload_version(
+        session, store, tenant_id, name, deployment_name, files, upload_limit, uploaded_by
+    )
+    return uploaded.adapter
+
+
+def upload_version(
+    session: Session,
+    store: ArtifactStore,
+    tenant_id: uuid.UUID,
+    name: str,
+    deployment_name: str,
+    files: list[UploadedFile],
+    upload_limit: int,
+    uploaded_by: str | None = None,
+) -> Uploaded:
+    """Validate and store an adapter as the next version of `name` (its first when the name is new).
+    Refused for its contents (Invalid, TooLarge): the version is kept FAILED with the reason, and the error
+    raised. Refused for anything else: nothing is kept (no row, no artifact, no quota, no version number).
+    Bytes that are a ready version of `name` already make no new version: that one becomes active."""
     deployment = deployments.by_name(session, deployment_name)
     quota = quota_of(session, tenant_id)
     _check_store(store)  # before anything is written: an upload the store cannot take is refused whole
@@ -107,8 +164,10 @@ def upload_adapter(
     if quota.max_adapter_bytes is not None:
         limit = min(limit, quota.max_adapter_bytes)
 
-    _replace_failed(session, store, tenant_id, name)
-    adapter_id = _reserve_adapter(session, tenant_id, deployment.id, name, quota.max_adapters)
+    reserved = _reserve_version(session, tenant_id, deployment, name, quota.max_adapters, uploaded_by)
+    if reserved.replaced:  # the failed versions it replaced, deleted from the store if nothing uses them
+        sweep_artifacts(session, store, reserved.replaced)
+    adapter_id = reserved.adapter_id
     with tempfile.TemporaryDirectory(prefix="lpx-upload-") as work:
         directory = Path(work)
         try:
@@ -119,6 +178,10 @@ def upload_adapter(
         except BaseException:
             _abandon(session, store, adapter_id, None)
             raise
+        existing = _same_bytes(session, adapter_id, manifest.sha256)
+        if existing is not None:
+            log.info("adapter upload matched a version", extra={"adapter": name, "digest": manifest.sha256})
+            return Uploaded(existing, created=False)
         try:
             _claim_storage(session, store, adapter_id, tenant_id, manifest, size, quota.max_storage_bytes)
             try:
@@ -130,14 +193,14 @@ def upload_adapter(
             _abandon(session, store, adapter_id, manifest.sha256)
             raise
     log.info("adapter ready", extra={"tenant": str(tenant_id), "adapter": name, "digest": manifest.sha256})
-    return get_adapter(session, tenant_id, name)
+    return Uploaded(get_version(session, tenant_id, name, reserved.version), created=True)
 
 
 def _abandon(session: Session, store: ArtifactStore, adapter_id: uuid.UUID, digest: str | None) -> None:
-    """An upload refused for a reason other than its contents keeps nothing: its row and counts are given
-    back, and its object (perhaps half written) is deleted if nothing else uses it."""
+    """An upload refused for a reason other than its contents keeps nothing: its row, counts and version
+    number are given back, and its object (perhaps half written) is deleted if nothing else uses it."""
     session.rollback()
-    _release(session, adapter_id)
+    release(session, adapter_id, give_back_number=True)
     if digest is not None:
         sweep_artifacts(session, store, [digest])
 
@@ -171,31 +234,156 @@ def _check_store(store: ArtifactStore) -> None:
         raise StorageUnavailable(f"uploads are refused for now: {exc}") from None
 
 
-def _reserve_adapter(
-    session: Session, tenant_id: uuid.UUID, deployment_id: uuid.UUID, name: str, max_adapters: int | None
-) -> uuid.UUID:
-    """Count the adapter against max_adapters and reserve its name, in one transaction."""
+@dataclass(frozen=True)
+class _Reserved:
+    adapter_id: uuid.UUID
+    version: int
+    replaced: list[str]  # the digests of the failed versions the reservation deleted
+
+
+def _reserve_version(
+    session: Session,
+    tenant_id: uuid.UUID,
+    deployment: Deployment,
+    name: str,
+    max_adapters: int | None,
+    uploaded_by: str | None,
+) -> _Reserved:
+    """Give the upload the name's next version number and its row, in one transaction: a new name counts
+    against max_adapters; the name's failed versions (and uploads interrupted long ago) are replaced; the
+    version is active from now if the name has no other (so the bare name tells how its upload goes)."""
     _ensure_usage_row(session, tenant_id)
-    taken = update(StorageUsage).where(StorageUsage.tenant_id == tenant_id)
-    if max_adapters is not None:
-        taken = taken.where(StorageUsage.adapters < max_adapters)
-    if _rowcount(session.execute(taken.values(adapters=StorageUsage.adapters + 1))) == 0:
+    made = session.execute(
+        _insert(session, AdapterName)
+        .values(tenant_id=tenant_id, name=name, active_version=None, last_version=0)
+        .on_conflict_do_nothing(index_elements=[AdapterName.tenant_id, AdapterName.name])
+        .returning(AdapterName.name)
+    ).first()
+    new_name = int(made is not None)
+    version, active = session.execute(
+        update(AdapterName)
+        .where(AdapterName.tenant_id == tenant_id, AdapterName.name == name)
+        .values(last_version=AdapterName.last_version + 1)
+        .returning(AdapterName.last_version, AdapterName.active_version)
+    ).one()
+    versions = session.execute(
+        select(Adapter.id, Adapter.version, Adapter.status, Adapter.created_at, Adapter.deployment_id).where(
+            Adapter.tenant_id == tenant_id, Adapter.name == name
+        )
+    ).all()
+    replaced = [
+        v for v in versions if v.status == AdapterStatus.FAILED or _interrupted(v.status, v.created_at)
+    ]
+    kept = [v for v in versions if v not in replaced]
+    if any(v.status in IN_PROGRESS for v in kept):
+        session.rollback()
+        raise Conflict(f"a version of adapter {name!r} is being uploaded; retry when it is ready or failed")
+    if any(v.deployment_id != deployment.id for v in kept):
+        session.rollback()
+        theirs = session.get(Deployment, kept[0].deployment_id)
+        raise Conflict(OTHER_DEPLOYMENT.format(name=name, deployment=theirs.name if theirs else "?"))
+
+    freed, digests = _delete_versions(session, [v.id for v in replaced])
+    if active in {v.version for v in replaced}:
+        active = None
+    adapter = Adapter(
+        tenant_id=tenant_id,
+        deployment_id=deployment.id,
+        name=name,
+        version=version,
+        status=AdapterStatus.UPLOADED,
+        uploaded_by=uploaded_by,
+    )
+    session.add(adapter)
+    session.flush()
+    counted = update(StorageUsage).where(StorageUsage.tenant_id == tenant_id)
+    if new_name and max_adapters is not None:
+        counted = counted.where(StorageUsage.adapters < max_adapters)
+    counted = counted.values(adapters=StorageUsage.adapters + new_name, bytes=StorageUsage.bytes - freed)
+    if _rowcount(session.execute(counted)) == 0:
         session.rollback()
         raise Forbidden(
             f"this tenant already has its quota of {max_adapters} adapters (max_adapters); delete one first"
         )
-    adapter = Adapter(
-        tenant_id=tenant_id, deployment_id=deployment_id, name=name, status=AdapterStatus.UPLOADED
+    _drop_references(session, digests)
+    if active is None:
+        _set_active(session, tenant_id, name, version)
+    session.commit()
+    return _Reserved(adapter.id, version, sorted(set(digests)))
+
+
+def _delete_versions(session: Session, adapter_ids: list[uuid.UUID]) -> tuple[int, list[str]]:
+    """Delete version rows (their name row taken already): the bytes they held, and their digests."""
+    freed, digests = 0, []
+    for adapter_id in adapter_ids:
+        row = session.execute(
+            delete(Adapter)
+            .where(Adapter.id == adapter_id)
+            .returning(Adapter.bytes, Adapter.sha256)
+            .execution_options(synchronize_session=False)
+        ).first()
+        if row is not None:
+            freed += row.bytes
+            if row.sha256 is not None:
+                digests.append(row.sha256)
+    return freed, digests
+
+
+def _drop_references(session: Session, digests: list[str]) -> None:
+    for digest in digests:
+        session.execute(
+            update(Artifact)
+            .where(Artifact.digest == digest, Artifact.refcount > 0)
+            .values(refcount=Artifact.refcount - 1)
+        )
+
+
+def _set_active(session: Session, tenant_id: uuid.UUID, name: str, version: int | None) -> None:
+    session.execute(
+        update(AdapterName)
+        .where(AdapterName.tenant_id == tenant_id, AdapterName.name == name)
+        .values(active_version=version)
     )
-    session.add(adapter)
-    try:
-        session.commit()
-    except IntegrityError:
-        session.rollback()
-        raise Conflict(
-            f"an adapter named {name!r} already exists; delete it or choose another name"
-        ) from None
-    return adapter.id
+
+
+def lock_name(session: Session, tenant_id: uuid.UUID, name: str) -> AdapterName | None:
+    """Take the name's row for this transaction (every writer takes it first); None: no such name."""
+    row = session.execute(
+        update(AdapterName)
+        .where(AdapterName.tenant_id == tenant_id, AdapterName.name == name)
+        .values(last_version=AdapterName.last_version)
+        .returning(AdapterName.active_version, AdapterName.last_version)
+    ).first()
+    if row is None:
+        return None
+    return AdapterName(
+        tenant_id=tenant_id, name=name, active_version=row.active_version, last_version=row.last_version
+    )
+
+
+def _lock_name_of(session: Session, adapter_id: uuid.UUID) -> AdapterName | None:
+    """Take the name row of version `adapter_id` first of all (a write, so SQLite's lock comes with it)."""
+    of_version = select(Adapter.tenant_id, Adapter.name).where(Adapter.id == adapter_id)
+    row = session.execute(
+        update(AdapterName)
+        .where(
+            AdapterName.tenant_id == of_version.with_only_columns(Adapter.tenant_id).scalar_subquery(),
+            AdapterName.name == of_version.with_only_columns(Adapter.name).scalar_subquery(),
+        )
+        .values(last_version=AdapterName.last_version)
+        .returning(
+            AdapterName.tenant_id, AdapterName.name, AdapterName.active_version, AdapterName.last_version
+        )
+        .execution_options(synchronize_session=False)
+    ).first()
+    if row is None:  # the version is gone (deleted meanwhile)
+        return None
+    return AdapterName(
+        tenant_id=row.tenant_id,
+        name=row.name,
+        active_version=row.active_version,
+        last_version=row.last_version,
+    )
 
 
 def _claim_storage(
@@ -240,6 +428,8 @@ def _claim_storage(
 
 
 def _mark_ready(session: Session, adapter_id: uuid.UUID, manifest: AdapterManifest, uri: str) -> None:
+    """The version is ready, and active: an upload deploys what it uploaded."""
+    _lock_name_of(session, adapter_id)
     ready = session.execute(
         update(Adapter)
         .where(Adapter.id == adapter_id, Adapter.status == AdapterStatus.VALIDATING)
@@ -249,12 +439,36 @@ def _mark_ready(session: Session, adapter_id: uuid.UUID, manifest: AdapterManife
             target_modules=list(manifest.target_modules),
             storage_uri=uri,
         )
+        .returning(Adapter.tenant_id, Adapter.name, Adapter.version)
         .execution_options(synchronize_session=False)
-    )
-    if _rowcount(ready) == 0:
+    ).first()
+    if ready is None:
         session.rollback()
         raise Conflict(GONE_WHILE_UPLOADING)
+    _set_active(session, ready.tenant_id, ready.name, ready.version)
     session.commit()
+
+
+def _same_bytes(session: Session, adapter_id: uuid.UUID, digest: str) -> AdapterPublic | None:
+    """The ready version of the upload's name with these bytes, made active in place of the upload
+    (whose row and number are given back); None: the bytes are new to the name."""
+    mine = session.get(Adapter, adapter_id)
+    if mine is None:
+        session.rollback()
+        raise Conflict(GONE_WHILE_UPLOADING)
+    twin = session.scalar(
+        _query(mine.tenant_id).where(
+            Adapter.name == mine.name,
+            Adapter.id != adapter_id,
+            Adapter.sha256 == digest,
+            Adapter.status == AdapterStatus.READY,
+        )
+    )
+    session.rollback()
+    if twin is None:
+        return None
+    release(session, adapter_id, activate=twin.version, give_back_number=True)
+    return get_version(session, twin.tenant_id, twin.name, twin.version)
 
 
 def _set_status(
@@ -285,23 +499,6 @@ def _fail_upload(session: Session, adapter_id: uuid.UUID, reason: str) -> None:
     )
     session.commit()
     log.info("adapter upload refused", extra={"adapter_id": str(adapter_id), "reason": reason})
-
-
-def _replace_failed(session: Session, store: ArtifactStore, tenant_id: uuid.UUID, name: str) -> None:
-    """An upload under the name of a failed adapter (or of an upload interrupted long ago) replaces it:
-    the old row goes with what it held, so the new one starts clean, under a new id (engines that
-    registered the old one forget it: services/engine_sync.py)."""
-    old = session.execute(
-        select(Adapter.id, Adapter.status, Adapter.created_at).where(
-            Adapter.tenant_id == tenant_id, Adapter.name == name
-        )
-    ).first()
-    session.rollback()  # end the read; _release takes the row in its own transaction
-    if old is None or not (old.status == AdapterStatus.FAILED or _interrupted(old.status, old.created_at)):
-        return  # nothing there, or an adapter in use or being uploaded: the reservation answers 409
-    released = _release(session, old.id)
-    if released is not None and released.digest is not None:
-        sweep_artifacts(session, store, [released.digest])
 
 
 def _interrupted(status: AdapterStatus, created_at: dt.datetime) -> bool:
@@ -346,42 +543,84 @@ def error_text(reason: str) -> str:
 
 
 @dataclass(frozen=True)
-class _Released:
+class Released:
     digest: str | None  # the artifact it referenced (None: it had not got that far)
 
 
-def _release(session: Session, adapter_id: uuid.UUID) -> _Released | None:
-    """Delete an adapter row and give back what it held (its counts, its artifact reference), in one
-    transaction. None if the row was gone already (released by someone else: nothing is given twice)."""
+def release(
+    session: Session,
+    adapter_id: uuid.UUID,
+    activate: int | None = None,
+    give_back_number: bool = False,
+    keep_active: bool = False,
+) -> Released | None:
+    """Delete one version row and give back what it held (its bytes, its artifact reference; with the
+    name's last version, the name and its count), in one transaction. The name's active version becomes
+    `activate` when given and still there; a released active version hands over to the newest version
+    left, ready ones first. `give_back_number`: an upload that never became a version frees its number
+    when it is still the last given. `keep_active`: Conflict, and nothing released, if the version is the
+    active one. None if the row was gone already (nothing is given back twice)."""
+    held = _lock_name_of(session, adapter_id)
     row = session.execute(
         delete(Adapter)
         .where(Adapter.id == adapter_id)
-        .returning(Adapter.tenant_id, Adapter.bytes, Adapter.sha256)
+        .returning(Adapter.tenant_id, Adapter.name, Adapter.version, Adapter.bytes, Adapter.sha256)
         .execution_options(synchronize_session=False)
     ).first()
     if row is None:
         session.rollback()
         return None
-    tenant_id, size, digest = row
+    if keep_active and held is not None and held.active_version == row.version:
+        session.rollback()
+        raise Conflict(
+            f"version {row.version} is the active version of adapter {row.name!r}; roll back to another "
+            "version first, or delete the adapter"
+        )
+    left = session.execute(
+        select(Adapter.version, Adapter.status)
+        .where(Adapter.tenant_id == row.tenant_id, Adapter.name == row.name)
+        .order_by(Adapter.version.desc())
+    ).all()
+    names_released = 0
+    if not left:
+        session.execute(
+            delete(AdapterName).where(AdapterName.tenant_id == row.tenant_id, AdapterName.name == row.name)
+        )
+        names_released = 1
+    elif held is not None:
+        versions = {v.version for v in left}
+        if activate is not None and activate in versions:
+            _set_active(session, row.tenant_id, row.name, activate)
+        elif held.active_version not in versions:
+            ready = [v.version for v in left if v.status == AdapterStatus.READY]
+            _set_active(session, row.tenant_id, row.name, (ready or [left[0].version])[0])
+        if give_back_number and held.last_version == row.version:
+            session.execute(
+                update(AdapterName)
+                .where(AdapterName.tenant_id == row.tenant_id, AdapterName.name == row.name)
+                .values(last_version=row.version - 1)
+            )
     session.execute(
         update(StorageUsage)
-        .where(StorageUsage.tenant_id == tenant_id)
-        .values(adapters=StorageUsage.adapters - 1, bytes=StorageUsage.bytes - size)
+        .where(StorageUsage.tenant_id == row.tenant_id)
+        .values(adapters=StorageUsage.adapters - names_released, bytes=StorageUsage.bytes - row.bytes)
     )
-    if digest is not None:
-        session.execute(
-            update(Artifact)
-            .where(Artifact.digest == digest, Artifact.refcount > 0)
-            .values(refcount=Artifact.refcount - 1)
-        )
+    if row.sha256 is not None:
+        _drop_references(session, [row.sha256])
     session.commit()
-    return _Released(digest)
+    return Released(row.sha256)
 
 
 def release_tenant(session: Session, tenant_id: uuid.UUID) -> None:
     """Give back the artifact references of every adapter of a tenant about to be deleted; the caller
-    deletes the tenant (its adapter rows and counters cascade) and commits."""
-    # Lock the tenant's adapter rows first (the order every writer here follows: adapter, then artifact).
+    deletes the tenant (its adapter rows, names and counters cascade) and commits."""
+    # Lock the tenant's names and adapter rows first (the order every writer here follows).
+    session.execute(
+        update(AdapterName)
+        .where(AdapterName.tenant_id == tenant_id)
+        .values(last_version=AdapterName.last_version)
+        .execution_options(synchronize_session=False)
+    )
     session.execute(
         update(Adapter)
         .where(Adapter.tenant_id == tenant_id)
@@ -449,27 +688,42 @@ def storage_usage(session: Session, tenant_id: uuid.UUID) -> StorageUsagePublic:
     )
 
 
-def failed_holdings(session: Session, tenant_id: uuid.UUID) -> tuple[int, int]:
-    """How many of the tenant's adapters are failed, and the bytes they hold: room an upload that
-    replaces one of them gets back."""
-    count, size = session.execute(
-        select(func.count(), func.coalesce(func.sum(Adapter.bytes), 0)).where(
+def failed_holdings(session: Session, tenant_id: uuid.UUID) -> int:
+    """The bytes the tenant's failed versions hold: room an upload that replaces them gets back."""
+    size = session.scalar(
+        select(func.coalesce(func.sum(Adapter.bytes), 0)).where(
             Adapter.tenant_id == tenant_id, Adapter.status == AdapterStatus.FAILED
         )
-    ).one()
-    return int(count), int(size)
+    )
+    return int(size or 0)
 
 
 def _query(tenant_id: uuid.UUID) -> Select[Adapter]:
     return select(Adapter).where(Adapter.tenant_id == tenant_id).options(selectinload(Adapter.deployment))
 
 
+def _active(tenant_id: uuid.UUID) -> Select[Adapter]:
+    """The tenant's active versions, one per name."""
+    return _query(tenant_id).join(
+        AdapterName,
+        (AdapterName.tenant_id == Adapter.tenant_id)
+        & (AdapterName.name == Adapter.name)
+        & (AdapterName.active_version == Adapter.version),
+    )
+
+
 def list_adapters(session: Session, tenant_id: uuid.UUID) -> list[AdapterPublic]:
-    return [to_public(a) for a in session.scalars(_query(tenant_id).order_by(Adapter.name))]
+    """Each of the tenant's adapters by its name, as its active version."""
+    return [to_public(a) for a in session.scalars(_active(tenant_id).order_by(Adapter.name))]
 
 
 def find_adapter(session: Session, tenant_id: uuid.UUID, name: str) -> Adapter | None:
-    return session.scalar(_query(tenant_id).where(Adapter.name == name))
+    """The active version of the tenant's adapter `name`, the one the bare name addresses."""
+    return session.scalar(_active(tenant_id).where(Adapter.name == name))
+
+
+def find_version(session: Session, tenant_id: uuid.UUID, name: str, version: int) -> Adapter | None:
+    return session.scalar(_query(tenant_id).where(Adapter.name == name, Adapter.version == version))
 
 
 def get_adapter(session: Session, tenant_id: uuid.UUID, name: str) -> AdapterPublic:
@@ -479,20 +733,35 @@ def get_adapter(session: Session, tenant_id: uuid.UUID, name: str) -> AdapterPub
     return to_public(adapter)
 
 
+def get_version(session: Session, tenant_id: uuid.UUID, name: str, version: int) -> AdapterPublic:
+    adapter = find_version(session, tenant_id, name, version)
+    if adapter is None:
+        raise NotFound(f"adapter {name!r} has no version {version}")
+    return to_public(adapter)
+
+
 def delete_adapter(
     session: Session, tenant_id: uuid.UUID, name: str, store: ArtifactStore | None = None
 ) -> None:
-    """Delete the adapter, then its artifact from `store` if no other adapter uses it (without a store,
-    the next sweep does that)."""
-    adapter_id = session.scalar(
-        select(Adapter.id).where(Adapter.tenant_id == tenant_id, Adapter.name == name)
-    )
-    released = _release(session, adapter_id) if adapter_id is not None else None
-    if released is None:
+    """Delete the adapter, every version of it, then their artifacts from `store` if nothing else uses
+    them (without a store, the next sweep does that)."""
+    if lock_name(session, tenant_id, name) is None:
+        session.rollback()
         raise NotFound(f"no adapter named {name!r}")
+    ids = list(
+        session.scalars(select(Adapter.id).where(Adapter.tenant_id == tenant_id, Adapter.name == name))
+    )
+    freed, digests = _delete_versions(session, ids)
+    session.execute(delete(AdapterName).where(AdapterName.tenant_id == tenant_id, AdapterName.name == name))
+    session.execute(
+        update(StorageUsage)
+        .where(StorageUsage.tenant_id == tenant_id)
+        .values(adapters=StorageUsage.adapters - 1, bytes=StorageUsage.bytes - freed)
+    )
+    _drop_references(session, digests)
+    session.commit()
     if store is not None:
-        if released.digest is not None:
-            sweep_artifacts(session, store, [released.digest])
+        sweep_artifacts(session, store, digests)
         sweep_artifacts(session, store)  # and what earlier failures or deleted tenants left
 
 

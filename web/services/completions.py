@@ -37,6 +37,7 @@ from .in_flight import Busy, InFlight
 from .keys import Principal
 from .prewarm import Prewarmer
 from .routing import Router, Work
+from .scopes import KeyLimits, ScopeRefused, require_adapter, require_base_model, require_inference
 
 log = logging.getLogger("loraplex.web.gateway")
 
@@ -72,6 +73,20 @@ def not_served(adapter: gateway.NotServed) -> Refused:
     status = adapter.status.value
     message = f"The adapter `{adapter.model}` is still being uploaded ({status}); retry when it is ready."
     return Refused(409, wire.WireError(message, wire.INVALID_REQUEST, wire.ADAPTER_NOT_READY))
+
+
+def check_scope(limits: KeyLimits, target: gateway.Target | gateway.NotServed, model: str) -> None:
+    """The key may call what `model` resolved to: its scope allows calls, and its adapter list the
+    adapter (or its base-model flag the base model). Refused 403 naming the scope."""
+    try:
+        require_inference(limits)
+        adapter = target.adapter_name  # None: the base model
+        if adapter is not None:
+            require_adapter(limits, adapter, "model")
+        else:
+            require_base_model(limits, model)
+    except ScopeRefused as exc:
+        raise Refused(403, exc.error) from None
 
 
 class EngineRefused(Exception):
@@ -220,6 +235,10 @@ class Gateway:
         a stream when the body asks for one. Raises Refused or EngineRefused; settles the request's
         reservation however it ends before a stream is handed over."""
         try:
+            require_inference(principal.limits)  # a read-only key is refused whatever it names
+        except ScopeRefused as exc:
+            raise Refused(403, exc.error) from None
+        try:
             gateway.check_caps(body, endpoint)
         except gateway.BadRequest as exc:
             raise bad_request(exc) from None
@@ -228,6 +247,7 @@ class Gateway:
         if target is None:  # another tenant's adapter reads exactly like a missing one
             missing = f"The model `{model}` does not exist."
             raise Refused(404, wire.WireError(missing, wire.INVALID_REQUEST, wire.MODEL_NOT_FOUND))
+        check_scope(principal.limits, target, model)
         if isinstance(target, gateway.NotServed):
             raise not_served(target)
         streaming = bool(body.get("stream"))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,8 +16,13 @@ from sqlalchemy.orm import Session
 from loraplex import wire
 from loraplex.wire import limits
 
-from ..db.models import Adapter, AdapterStatus, Deployment
-from .adapters import find_adapter
+from ..db.models import Adapter, AdapterName, AdapterStatus, Deployment
+from .adapters import find_adapter, find_version
+from .scopes import KeyLimits
+
+# `model: "<adapter>@<version>"` addresses one version of an adapter; adapter names cannot hold "@", and
+# the version is bounded so it always fits the database's integer.
+VERSIONED_MODEL = re.compile(r"^(?P<name>[A-Za-z0-9][A-Za-z0-9._:-]{0,127})@(?P<version>[1-9][0-9]{0,8})$")
 
 
 @dataclass(frozen=True)
@@ -28,6 +34,8 @@ class Target:
     # As the deployment stores them: engine URLs and kubernetes://<namespace>/<name> targets, which
     # Router.order turns into the ready pods discovery sees at that moment (web/services/discovery.py).
     endpoints: list[str]
+    # The adapter's name without a version (what a key's adapter list names); None: the base model.
+    adapter_name: str | None = None
     adapter_id: uuid.UUID | None = None
     adapter_uri: str | None = None
     adapter_sha256: str | None = None
@@ -54,16 +62,33 @@ class NotServed:
     model: str
     status: AdapterStatus
     error: str | None
+    adapter_name: str = ""
+
+
+def split_model(model: str) -> tuple[str, int | None]:
+    """`model` as an adapter name and the version it asks for (None: the active version)."""
+    versioned = VERSIONED_MODEL.match(model)
+    if versioned is None:
+        return model, None
+    return versioned["name"], int(versioned["version"])
+
+
+def find_model_adapter(session: Session, tenant_id: uuid.UUID, model: str) -> Adapter | None:
+    """The adapter version `model` addresses: "<name>@<version>" that version, "<name>" the active one."""
+    name, version = split_model(model)
+    if version is None:
+        return find_adapter(session, tenant_id, model)
+    return find_version(session, tenant_id, name, version)
 
 
 def resolve(session: Session, tenant_id: uuid.UUID, model: str) -> Target | NotServed | None:
-    """This tenant's ready adapter named `model` (NotServed if it is not ready), else a deployment of
-    base model `model`, else None."""
-    adapter = find_adapter(session, tenant_id, model)
+    """This tenant's ready adapter version `model` addresses (NotServed if it is not ready), else a
+    deployment of base model `model`, else None."""
+    adapter = find_model_adapter(session, tenant_id, model)
     if adapter is not None and adapter.status == AdapterStatus.READY:
-        return _adapter_target(adapter)
+        return _adapter_target(adapter, model)
     if adapter is not None:
-        return NotServed(adapter.name, adapter.status, adapter.error)
+        return NotServed(model, adapter.status, adapter.error, adapter.name)
     deployment = session.scalar(
         select(Deployment).where(Deployment.base_model == model).order_by(Deployment.name).limit(1)
     )
@@ -72,11 +97,12 @@ def resolve(session: Session, tenant_id: uuid.UUID, model: str) -> Target | NotS
     return Target(model=model, base_model=deployment.base_model, endpoints=list(deployment.endpoints))
 
 
-def _adapter_target(adapter: Adapter) -> Target:
+def _adapter_target(adapter: Adapter, model: str) -> Target:
     return Target(
-        model=adapter.name,
+        model=model,
         base_model=adapter.deployment.base_model,
         endpoints=list(adapter.deployment.endpoints),
+        adapter_name=adapter.name,
         adapter_id=adapter.id,
         adapter_uri=adapter.storage_uri,
         adapter_sha256=adapter.sha256,
@@ -84,28 +110,50 @@ def _adapter_target(adapter: Adapter) -> Target:
     )
 
 
-def list_models(session: Session, tenant_id: uuid.UUID) -> list[dict[str, Any]]:
+def list_models(
+    session: Session, tenant_id: uuid.UUID, limits: KeyLimits | None = None
+) -> list[dict[str, Any]]:
     """OpenAI model objects with vLLM's `root` and `parent`: every deployment's base model (its own root,
-    no parent), then this tenant's ready adapters (root and parent: the base model they fit)."""
+    no parent), then this tenant's adapters whose active version is ready (root and parent: the base model
+    they fit); of those, what `limits` (a key's scope) lets its key call."""
+    limits = limits or KeyLimits()
     models: dict[str, dict[str, Any]] = {}
-    for deployment in session.scalars(select(Deployment).order_by(Deployment.name)):
-        models.setdefault(
-            deployment.base_model, _model(deployment.base_model, deployment.created_at, "loraplex", None)
-        )
+    if limits.base_model:
+        for deployment in session.scalars(select(Deployment).order_by(Deployment.name)):
+            models.setdefault(
+                deployment.base_model, _model(deployment.base_model, deployment.created_at, "loraplex", None)
+            )
     adapters = session.scalars(
         select(Adapter)
+        .join(
+            AdapterName,
+            (AdapterName.tenant_id == Adapter.tenant_id)
+            & (AdapterName.name == Adapter.name)
+            & (AdapterName.active_version == Adapter.version),
+        )
         .where(Adapter.tenant_id == tenant_id, Adapter.status == AdapterStatus.READY)
         .order_by(Adapter.name)
     )
     for adapter in adapters:
-        base = adapter.deployment.base_model
-        models[adapter.name] = _model(adapter.name, adapter.created_at, "tenant", base)
+        if limits.may_use(adapter.name):
+            models[adapter.name] = _model(
+                adapter.name, adapter.created_at, "tenant", adapter.deployment.base_model
+            )
     return list(models.values())
 
 
-def find_model(session: Session, tenant_id: uuid.UUID, model: str) -> dict[str, Any] | None:
-    """The model object `GET /v1/models/{model}` answers: one of list_models' (None: not this tenant's)."""
-    return next((m for m in list_models(session, tenant_id) if m["id"] == model), None)
+def find_model(
+    session: Session, tenant_id: uuid.UUID, model: str, limits: KeyLimits | None = None
+) -> dict[str, Any] | None:
+    """The model object `GET /v1/models/{model}` answers: one of list_models', or a ready version as
+    "<name>@<version>" (None: not this tenant's, or not the key's to call)."""
+    name, version = split_model(model)
+    if version is None:
+        return next((m for m in list_models(session, tenant_id, limits) if m["id"] == model), None)
+    adapter = find_version(session, tenant_id, name, version)
+    if adapter is None or adapter.status != AdapterStatus.READY or not (limits or KeyLimits()).may_use(name):
+        return None
+    return _model(model, adapter.created_at, "tenant", adapter.deployment.base_model)
 
 
 def _model(name: str, created: Any, owner: str, parent: str | None) -> dict[str, Any]:
@@ -187,7 +235,7 @@ def check_caps(body: dict[str, Any], endpoint: str) -> None:
             raise limits.LimitExceeded("logit_bias", "logit_bias must be an object of token ids to numbers")
         limits.check_logit_bias(bias)
         # Every number the sampler sees (top_k, temperature, seed, ...), as the engine checks it.
-        limits.check_numbers(body)
+        limits.check_numbers(body, completions=endpoint == "completions")
         if endpoint == "completions":  # chat's logprobs is a boolean, its count top_logprobs
             limits.check_number("logprobs", body.get("logprobs"), limits.LOGPROBS)
         if endpoint == "completions" and body.get("max_completion_tokens") is not None:
@@ -199,18 +247,12 @@ def check_caps(body: dict[str, Any], endpoint: str) -> None:
             messages = body.get("messages") or []
             limits.check_chat_messages(len(messages))
             limits.check_prompt_chars("messages", content_chars(messages))
+            limits.check_choices(1, body.get("n"))
         else:
-            # The engine's bounds on each form (a text, token ids, a list of either): the outer list is
-            # bounded by the token-id cap whatever it holds, each text by characters, each inner list of
-            # token ids by the token-id cap.
-            prompt = body.get("prompt")
-            prompts = prompt if isinstance(prompt, list) else [prompt]
-            limits.check_prompt_tokens("prompt", len(prompts))
-            for item in prompts:
-                if isinstance(item, str):
-                    limits.check_prompt_chars("prompt", len(item))
-                elif isinstance(item, list):
-                    limits.check_prompt_tokens("prompt", len(item))
+            # The engine's bounds on each form (a text, token ids, a list of either) and on the choices
+            # all its prompts make (prompts x best_of sequences).
+            limits.check_prompt(body.get("prompt"))
+            limits.check_choices(limits.prompt_count(body.get("prompt")), body.get("n"), body.get("best_of"))
     except limits.LimitExceeded as exc:
         raise BadRequest(exc.param, str(exc)) from None
 
@@ -231,12 +273,25 @@ def content_chars(messages: Any) -> int:
 
 
 def set_completion_limit(body: dict[str, Any], endpoint: str, default: int) -> int:
-    """The most completion tokens this request can produce. A request that names no limit is given
-    `default` explicitly, so the engine stops where the gateway's reservation ends."""
+    """The most completion tokens this request can produce: its limit per sequence times its sequences
+    (each prompt's best_of, else n). A request that names no limit is given `default` explicitly, so the
+    engine stops where the gateway's reservation ends."""
     limit = completion_limit(body, endpoint)
     if limit is None:
         body["max_tokens"] = limit = default
-    return limit
+    return limit * sequences(body, endpoint)
+
+
+def sequences(body: dict[str, Any], endpoint: str) -> int:
+    """The sequences the engine generates for this (checked) body: prompts x max(n, best_of)."""
+
+    def count(field: str) -> int:
+        value = body.get(field)
+        return value if isinstance(value, int) and not isinstance(value, bool) else 1
+
+    prompts = 1 if endpoint == "chat/completions" else max(1, limits.prompt_count(body.get("prompt")))
+    per_prompt = max(count("n"), count("best_of") if endpoint == "completions" else 1)
+    return prompts * per_prompt
 
 
 def estimate_tokens(text: str) -> int:

@@ -1,4 +1,5 @@
-"""API keys: `lpx_` + 192 random bits, stored only as HMAC-SHA256 under the server's pepper."""
+"""API keys: `lpx_` + 192 random bits, stored only as HMAC-SHA256 under the server's pepper; each with a
+scope (services/scopes.py), and rotated with an overlap in which the old key and the new both work."""
 
 from __future__ import annotations
 
@@ -7,14 +8,15 @@ import hashlib
 import hmac
 import secrets
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from ..db.models import ApiKey, Tenant, utcnow
-from ..schemas import KeyCreated, KeyPublic
-from .errors import Invalid, NotFound
+from ..db.models import ApiKey, KeyScope, Tenant, utcnow
+from ..schemas import KeyCreate, KeyCreated, KeyPublic
+from .errors import Conflict, Invalid, NotFound
+from .scopes import KeyLimits
 
 KEY_PREFIX = "lpx_"
 DISPLAY_CHARS = 12  # "lpx_" and 8 characters: enough to recognise a key, far too few to guess it
@@ -30,6 +32,9 @@ class Principal:
     tenant_name: str
     key_id: uuid.UUID | None
     fair_share_weight: float = 1.0  # sent to the engine with each request (its fairness counters)
+    limits: KeyLimits = field(default_factory=KeyLimits)  # what the key may do; a console user: all
+    # Who acts, in words kept on what it makes (an adapter version's uploaded_by): "key lpx_AbCd1234 (ci)".
+    actor: str | None = None
 
 
 def generate_key() -> str:
@@ -48,13 +53,54 @@ def aware(moment: dt.datetime | None) -> dt.datetime | None:
 
 
 def create_key(
-    session: Session, tenant_id: uuid.UUID, name: str, pepper: bytes, expires_at: dt.datetime | None = None
+    session: Session,
+    tenant_id: uuid.UUID,
+    name: str,
+    pepper: bytes,
+    expires_at: dt.datetime | None = None,
+    *,
+    scope: KeyScope = KeyScope.ALL,
+    adapters: list[str] | None = None,
+    base_model: bool | None = None,
 ) -> KeyCreated:
+    """A new key of the tenant, full unless limited (services/scopes.py); its secret is in the answer
+    only. A key limited to adapters calls no base model unless `base_model` says so."""
     expires_at = aware(expires_at)
     if expires_at is not None and expires_at <= utcnow():
         raise Invalid(f"expires_at {expires_at.isoformat()} is in the past; give a future time or none")
     if session.get(Tenant, tenant_id) is None:
         raise NotFound(f"no tenant with id {tenant_id}")
+    adapters = None if adapters is None else sorted(set(adapters))
+    allowed = base_model if base_model is not None else adapters is None
+    key, row = _new_key(tenant_id, name, pepper, scope, adapters, allowed, expires_at)
+    session.add(row)
+    session.commit()
+    return KeyCreated(**to_public(row).model_dump(), key=key)
+
+
+def create_from(session: Session, tenant_id: uuid.UUID, body: KeyCreate, pepper: bytes) -> KeyCreated:
+    """create_key with what a `POST .../keys` body asks for."""
+    return create_key(
+        session,
+        tenant_id,
+        body.name,
+        pepper,
+        body.expires_at,
+        scope=body.scope,
+        adapters=body.adapters,
+        base_model=body.base_model,
+    )
+
+
+def _new_key(
+    tenant_id: uuid.UUID,
+    name: str,
+    pepper: bytes,
+    scope: KeyScope,
+    adapters: list[str] | None,
+    base_model: bool,
+    expires_at: dt.datetime | None,
+) -> tuple[str, ApiKey]:
     key = generate_key()
     row = ApiKey(
         tenant_id=tenant_id,
@@ -62,7 +108,32 @@ def create_key(
         key_hash=hash_key(key, pepper),
         prefix=key[:DISPLAY_CHARS],
         expires_at=expires_at,
+        scope=scope.value,
+        adapters=adapters,
+        base_model=base_model,
     )
+    return key, row
+
+
+def rotate_key(
+    session: Session, tenant_id: uuid.UUID, key_id: uuid.UUID, overlap: dt.timedelta, pepper: bytes
+) -> KeyCreated:
+    """A new key with the old one's name, scope and expiry; the old one stays valid for `overlap` more
+    (never past its own expiry), so clients can move to the new key without a moment of failures."""
+    now = utcnow()
+    old = session.scalar(
+        select(ApiKey).where(ApiKey.id == key_id, ApiKey.tenant_id == tenant_id).with_for_update()
+    )
+    if old is None:  # another tenant's key is as absent as a missing one
+        raise NotFound(f"no key with id {key_id}")
+    old_expiry = aware(old.expires_at)
+    if old.revoked_at is not None or (old_expiry is not None and old_expiry <= now):
+        session.rollback()
+        raise Conflict(f"key {key_id} is revoked or expired; create a new key instead of rotating it")
+    scope = KeyScope(old.scope)
+    key, row = _new_key(tenant_id, old.name, pepper, scope, old.adapters, old.base_model, old_expiry)
+    ends = now + overlap
+    old.expires_at = ends if old_expiry is None else min(old_expiry, ends)
     session.add(row)
     session.commit()
     return KeyCreated(**to_public(row).model_dump(), key=key)
@@ -77,7 +148,15 @@ def to_public(row: ApiKey) -> KeyPublic:
         expires_at=aware(row.expires_at),
         revoked_at=aware(row.revoked_at),
         last_used_at=aware(row.last_used_at),
+        scope=KeyScope(row.scope),
+        adapters=None if row.adapters is None else list(row.adapters),
+        base_model=row.base_model,
     )
+
+
+def limits_of(row: ApiKey) -> KeyLimits:
+    adapters = None if row.adapters is None else frozenset(str(a) for a in row.adapters)
+    return KeyLimits(scope=KeyScope(row.scope), adapters=adapters, base_model=row.base_model)
 
 
 def list_keys(session: Session, tenant_id: uuid.UUID) -> list[KeyPublic]:
@@ -119,4 +198,6 @@ def authenticate(session: Session, key: str, pepper: bytes) -> Principal | None:
         tenant_name=tenant.name,
         key_id=row.id,
         fair_share_weight=tenant.fair_share_weight,
+        limits=limits_of(row),
+        actor=f"key {row.prefix} ({row.name})",
     )

@@ -26,7 +26,15 @@ from loraplex.wire import limits
 
 from ..db.session import Database
 from . import gateway
-from .completions import RETRY_AFTER_S, Completion, EngineRefused, Refused, bad_request, not_served
+from .completions import (
+    RETRY_AFTER_S,
+    Completion,
+    EngineRefused,
+    Refused,
+    bad_request,
+    check_scope,
+    not_served,
+)
 from .in_flight import Busy, InFlight, Ticket
 from .keys import Principal
 from .routing import Router
@@ -94,6 +102,7 @@ class Tokenization:
             target = gateway.resolve(session, principal.tenant_id, model)
             if target is None:  # another tenant's adapter reads exactly like a missing one
                 raise Refused(404, wire.model_not_found(model))
+            check_scope(principal.limits, target, model)  # a key calls only what its scope allows
             if isinstance(target, gateway.NotServed):
                 raise not_served(target)
             try:

@@ -1,20 +1,22 @@
-"""Tenant: upload, list and delete adapters (a delete reaches the engines: services/engine_sync.py)."""
+"""Tenant: upload, list and delete adapters and their versions, and choose the active version (rollback).
+A delete reaches the engines through services/engine_sync.py."""
 
 from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Path, Request, status
+from fastapi import APIRouter, Path, Request, Response, status
 from fastapi.exceptions import RequestValidationError
 from pydantic import StringConstraints, TypeAdapter, ValidationError
 from starlette.concurrency import run_in_threadpool
 
-from ...schemas import PRINTABLE, AdapterPublic, Name
-from ...services import adapters, engine_sync, multipart, upload_quota
-from ..deps import CurrentTenant, SessionDep, SettingsDep
+from ...schemas import PRINTABLE, AdapterPublic, AdapterRollback, AdapterVersionPublic, Name
+from ...services import adapters, engine_sync, multipart, scopes, upload_quota, versions
+from ..deps import Manager, Reader, SessionDep, SettingsDep
 
 router = APIRouter(prefix="/api/v1/adapters", tags=["adapters"])
 AdapterName = Annotated[str, Path(max_length=128, pattern=PRINTABLE)]
+Version = Annotated[int, Path(ge=1, le=2**31 - 1)]
 DeploymentName = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=PRINTABLE)]
 FORM_FIELDS = {"name": TypeAdapter(Name), "deployment": TypeAdapter(DeploymentName)}
 
@@ -31,7 +33,8 @@ UPLOAD_FORM: dict[str, Any] = {
                         "name": {
                             "type": "string",
                             "pattern": r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$",
-                            "description": "Unique among this tenant's adapters; the `model` to request.",
+                            "description": "The adapter's name, the `model` to request: a name "
+                            "the tenant has gets a new version (the same bytes: none).",
                         },
                         "deployment": {
                             "type": "string",
@@ -59,8 +62,9 @@ UPLOAD_FORM: dict[str, Any] = {
     "",
     status_code=status.HTTP_201_CREATED,
     responses={
-        403: {"description": "adapter quota reached"},
-        409: {"description": "name taken"},
+        200: {"description": "the bytes are a version of this adapter already: that version, now active"},
+        403: {"description": "adapter quota reached, or the key's scope does not allow it"},
+        409: {"description": "a version of this adapter is being uploaded, or it fits another deployment"},
         413: {"description": "too large"},
         415: {"description": "not multipart/form-data"},
         422: {},
@@ -68,7 +72,7 @@ UPLOAD_FORM: dict[str, Any] = {
     openapi_extra=UPLOAD_FORM,
 )
 async def upload_adapter(
-    request: Request, session: SessionDep, settings: SettingsDep, principal: CurrentTenant
+    request: Request, response: Response, session: SessionDep, settings: SettingsDep, principal: Manager
 ) -> AdapterPublic:
     # Authenticated (CurrentTenant) and within quota before the body is read: see services.multipart.
     limit = await run_in_threadpool(
@@ -78,9 +82,10 @@ async def upload_adapter(
     multipart.check_content_length(request, limits)
     async with multipart.receive_form(request, limits, fields=FORM_FIELDS) as form:
         values = _validated(form.fields, has_files=bool(form.files))
+        scopes.require_adapter(principal.limits, values["name"], "name")
         store = request.app.state.store  # the one ArtifactStore, made by create_app
-        return await run_in_threadpool(
-            adapters.upload_adapter,
+        uploaded = await run_in_threadpool(
+            adapters.upload_version,
             session,
             store,
             principal.tenant_id,
@@ -88,7 +93,11 @@ async def upload_adapter(
             values["deployment"],
             form.files,
             settings.max_upload_bytes,
+            principal.actor,
         )
+        if not uploaded.created:
+            response.status_code = status.HTTP_200_OK
+        return uploaded.adapter
 
 
 def _validated(fields: dict[str, str], has_files: bool) -> dict[str, str]:
@@ -111,18 +120,56 @@ def _validated(fields: dict[str, str], has_files: bool) -> dict[str, str]:
 
 
 @router.get("")
-def list_adapters(session: SessionDep, principal: CurrentTenant) -> list[AdapterPublic]:
-    return adapters.list_adapters(session, principal.tenant_id)
+def list_adapters(session: SessionDep, principal: Reader) -> list[AdapterPublic]:
+    """Each adapter as its active version (those the key may use)."""
+    listed = adapters.list_adapters(session, principal.tenant_id)
+    return [a for a in listed if principal.limits.may_use(a.name)]
 
 
 @router.get("/{name}")
-def get_adapter(name: AdapterName, session: SessionDep, principal: CurrentTenant) -> AdapterPublic:
+def get_adapter(name: AdapterName, session: SessionDep, principal: Reader) -> AdapterPublic:
+    scopes.require_adapter(principal.limits, name)
     return adapters.get_adapter(session, principal.tenant_id, name)
 
 
 @router.delete("/{name}", status_code=status.HTTP_204_NO_CONTENT)
-def delete_adapter(
-    name: AdapterName, request: Request, session: SessionDep, principal: CurrentTenant
-) -> None:
+def delete_adapter(name: AdapterName, request: Request, session: SessionDep, principal: Manager) -> None:
+    """Delete the adapter with every version of it."""
+    scopes.require_adapter(principal.limits, name)
     adapters.delete_adapter(session, principal.tenant_id, name, request.app.state.store)
     engine_sync.wake(request.app)  # engines forget it soon; this request does not wait for them
+
+
+@router.get("/{name}/versions")
+def list_versions(name: AdapterName, session: SessionDep, principal: Reader) -> list[AdapterVersionPublic]:
+    scopes.require_adapter(principal.limits, name)
+    return versions.list_versions(session, principal.tenant_id, name)
+
+
+@router.get("/{name}/versions/{version}")
+def get_version(name: AdapterName, version: Version, session: SessionDep, principal: Reader) -> AdapterPublic:
+    scopes.require_adapter(principal.limits, name)
+    return adapters.get_version(session, principal.tenant_id, name, version)
+
+
+@router.delete(
+    "/{name}/versions/{version}",
+    status_code=status.HTTP_204_NO_CONTENT,
+    responses={409: {"description": "the version is the active one"}},
+)
+def delete_version(
+    name: AdapterName, version: Version, request: Request, session: SessionDep, principal: Manager
+) -> None:
+    """Delete one version that is not the active one."""
+    scopes.require_adapter(principal.limits, name)
+    versions.delete_version(session, principal.tenant_id, name, version, request.app.state.store)
+    engine_sync.wake(request.app)
+
+
+@router.post("/{name}/rollback", responses={409: {"description": "no such ready version to make active"}})
+def rollback(
+    name: AdapterName, body: AdapterRollback, session: SessionDep, principal: Manager
+) -> AdapterPublic:
+    """Make a ready version the active one: `version`, or the newest ready one before the active."""
+    scopes.require_adapter(principal.limits, name)
+    return versions.rollback(session, principal.tenant_id, name, body.version)

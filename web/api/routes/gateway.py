@@ -90,7 +90,7 @@ async def list_models(request: Request, principal: GatewayTenant) -> dict[str, A
 
     def load() -> list[dict[str, Any]]:
         with db.session() as session:
-            return gateway.list_models(session, principal.tenant_id)
+            return gateway.list_models(session, principal.tenant_id, principal.limits)
 
     return {"object": "list", "data": await run_in_threadpool(load)}
 
@@ -101,10 +101,10 @@ async def retrieve_model(model: str, request: Request, principal: GatewayTenant)
 
     def load() -> dict[str, Any] | None:
         with db.session() as session:
-            return gateway.find_model(session, principal.tenant_id, model)
+            return gateway.find_model(session, principal.tenant_id, model, principal.limits)
 
     found = await run_in_threadpool(load)
-    if found is None:  # another tenant's adapter reads as a missing one
+    if found is None:  # another tenant's adapter (or one the key may not call) reads as a missing one
         raise OpenAIError.of(404, wire.model_not_found(model))
     return found
 

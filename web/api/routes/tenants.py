@@ -56,4 +56,4 @@ def set_quota(tenant_id: uuid.UUID, body: QuotaUpdate, session: SessionDep, _: A
 def create_key(
     tenant_id: uuid.UUID, body: KeyCreate, request: Request, session: SessionDep, _: AdminDep
 ) -> KeyCreated:
-    return keys.create_key(session, tenant_id, body.name, request.app.state.pepper, body.expires_at)
+    return keys.create_from(session, tenant_id, body, request.app.state.pepper)

@@ -8,7 +8,7 @@ from fastapi import APIRouter, Query
 
 from ...schemas import UsageSummary
 from ...services import usage
-from ..deps import CurrentTenant, SessionDep
+from ..deps import Reader, SessionDep
 
 router = APIRouter(prefix="/api/v1/usage", tags=["usage"])
 
@@ -16,7 +16,7 @@ router = APIRouter(prefix="/api/v1/usage", tags=["usage"])
 @router.get("")
 def get_usage(
     session: SessionDep,
-    principal: CurrentTenant,
+    principal: Reader,
     days: Annotated[int, Query(ge=1, le=366, description="How many days back, today included.")] = 30,
 ) -> UsageSummary:
     return usage.summarize(session, principal.tenant_id, days)
