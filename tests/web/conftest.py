@@ -269,6 +269,16 @@ def peft_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+@pytest.fixture(scope="session")
+def peft_dir_2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Another real PEFT LoRA of the same shape with other weights: a second version's bytes."""
+    from tests.adapters.conftest import make_peft_adapter
+
+    path = tmp_path_factory.mktemp("web-peft-2") / "qv"
+    make_peft_adapter(path, seed=4, r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"])
+    return path
+
+
 def loose(peft_dir: Path) -> list[tuple[str, bytes]]:
     return [(name, (peft_dir / name).read_bytes()) for name in FILES]
 
