@@ -110,5 +110,16 @@ bench-deps: $(VENV)/.engine
 	args="$${LLAMA_CMAKE_ARGS:-$$($(PY) -m loraplex.bench.llama_cpp_build)}" && echo "llama.cpp CMake options: $$args" && \
 	CMAKE_ARGS="$$args" CMAKE_BUILD_PARALLEL_LEVEL=2 $(PIP) install --no-binary llama-cpp-python -c $(CONSTRAINTS) "$(LLAMA_CPP_PYTHON)"
 
+# guidellm 0.8.1 and inference-perf 0.7.0 against `loraplex up` (`python -m loraplex.bench clients`,
+# docs/benchmarks.md), each in a venv of its own under build/bench-clients, never in .venv: their uvloop and
+# httptools would change how uvicorn runs the project's servers. guidellm's venv gets the CPU torch first;
+# inference-perf's needs Python 3.12+. Not used by the tests.
+.PHONY: bench-clients-deps bench-clients
+bench-clients-deps: install
+	$(PY) -m loraplex.bench clients --install-only
+
+bench-clients: install
+	$(PY) -m loraplex.bench clients
+
 clean:
 	rm -rf $(VENV) build *.egg-info

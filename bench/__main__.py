@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from . import (
+    clients,
     cluster,
     fairness,
     kernels,
@@ -43,6 +44,9 @@ def main() -> int:
     quant.add_arguments(commands.add_parser("quant", help="float32/bf16/int8/int4 vs llama.cpp (issue 19)"))
     cluster.add_arguments(
         commands.add_parser("cluster", help="placement and routing policies on simulated pods (issue 26)")
+    )
+    clients.add_arguments(
+        commands.add_parser("clients", help="guidellm and inference-perf against loraplex up (issue 27)")
     )
     args = parser.parse_args()
     return int(args.run(args))
