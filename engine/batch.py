@@ -247,12 +247,15 @@ class StepBatch:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
     slots: torch.Tensor  # [T] int64 page * page_size + offset of each token's KV slot
-    logits_indices: torch.Tensor  # [S] int64 rows whose next-token logits are sampled, in chunk order
+    # [S + P] int64 rows whose logits are wanted: the S sampled rows in chunk order (padding rows last), then
+    # the P rows whose logits score prompt tokens (prompt logprobs), in chunk order
+    logits_indices: torch.Tensor
     decode: DecodeBatch | None  # rows [0, D)
     prefill: PrefillBatch | None  # rows [D, T)
     lora: LoraBatch | None  # None: no row has an adapter
     chunk_adapters: list[tuple[int, str | None]] = field(default_factory=list)  # (rows, adapter) per chunk
     num_padding: int = 0  # padding decodes at the end of the decode rows (and of the sampled rows)
+    num_scored: int = 0  # P: rows after the sampled ones in logits_indices that score prompt tokens
 
     @property
     def num_tokens(self) -> int:
@@ -324,11 +327,18 @@ class BatchBuilder:
         self._copied = torch.cuda.Event() if self._pinned else None
         self.stats = BuildStats()
 
-    def build(self, chunks: Sequence[StepChunk]) -> StepBatch:
-        """The batch of `chunks`, laid out as `order_chunks` orders them (decodes first)."""
+    def build(self, chunks: Sequence[StepChunk], scored: Sequence[int] | None = None) -> StepBatch:
+        """The batch of `chunks`, laid out as `order_chunks` orders them (decodes first). `scored[i]`: the
+        first positions of chunk i whose logits are wanted too (they score prompt tokens), after the
+        sampled rows; such a step is never laid out graph-ready."""
         if not chunks:
             raise ValueError("a step needs at least one chunk")
-        bucket = self._bucket(chunks)
+        scored = list(scored) if scored is not None else [0] * len(chunks)
+        if len(scored) != len(chunks):
+            raise ValueError(f"{len(scored)} scored counts for {len(chunks)} chunks")
+        if any(not 0 <= n <= c.num_tokens for n, c in zip(scored, chunks, strict=True)):
+            raise ValueError("each scored count must be within its chunk's tokens")
+        bucket = self._bucket(chunks) if not any(scored) else None
         num_padding = 0
         if bucket is not None:
             assert self.buckets is not None
@@ -366,6 +376,7 @@ class BatchBuilder:
         chunk_slots = [-1 if c.request.adapter is None else slot_of[c.request.adapter] for c in chunks]
         num_tokens = sum(c.num_tokens for c in chunks)
         num_samples = sum(1 for c in chunks if c.samples)
+        num_scored = sum(scored)
         lora_rows = sum(c.num_tokens for c, u in zip(chunks, chunk_slots, strict=True) if u >= 0)
         p = len(prefills)
         layout = _Layout(
@@ -373,7 +384,7 @@ class BatchBuilder:
                 "input_ids": num_tokens,
                 "positions": num_tokens,
                 "slots": num_tokens,
-                "logits_indices": num_samples,
+                "logits_indices": num_samples + num_scored,
                 "decode_tables": num_decodes * decode_width,
                 "decode_lens": num_decodes,
                 "prefill_tables": p * prefill_width,
@@ -402,9 +413,12 @@ class BatchBuilder:
         ids: list[int] = []
         positions: list[int] = []
         logits_rows: list[int] = []
+        scored_rows: list[int] = []
         slots = host["slots"]
         row = 0
-        for chunk, num_blocks in zip(chunks, blocks, strict=True):
+        for i, (chunk, num_blocks) in enumerate(zip(chunks, blocks, strict=True)):
+            if i < len(scored) and scored[i]:
+                scored_rows.extend(range(row, row + scored[i]))
             request, start, end = chunk.request, chunk.start, chunk.end
             ids.extend(request.tokens(start, end))
             pages = request.pages
@@ -421,7 +435,7 @@ class BatchBuilder:
                 logits_rows.append(row - 1)
         host["input_ids"][:] = ids
         host["positions"][:] = positions
-        host["logits_indices"][:] = logits_rows
+        host["logits_indices"][:] = logits_rows + scored_rows
 
         # Block tables, padded with the zero page (page 0 is reserved and never holds a token).
         host["decode_tables"][:] = _padded(
@@ -447,6 +461,7 @@ class BatchBuilder:
             chunks, views, blocks, num_decodes, decode_width, chunk_starts, names, chunk_slots, counts
         )
         batch.num_padding = num_padding
+        batch.num_scored = num_scored
         return batch
 
     def _bucket(self, chunks: Sequence[StepChunk]) -> int | None:

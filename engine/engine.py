@@ -31,7 +31,7 @@ from loraplex.adapters import AdapterManifest, BaseShape
 from loraplex.wire import ADAPTER_FAILED, ADAPTER_UNAVAILABLE, ENGINE_ERROR
 from loraplex.wire.errors import RefusedAdapterError, UnknownAdapterError
 from loraplex.wire.errors import StepError as StepError  # what step() raises (from the fault guard)
-from loraplex.wire.limits import LimitExceeded
+from loraplex.wire.limits import LOGPROBS, LimitExceeded, check_number
 
 from .batch import DecodeBuckets
 from .config import EngineConfig
@@ -179,6 +179,9 @@ class LLMEngine:
         if use_kernels:  # compiles every kernel variant now, so no request waits on one; nothing off CUDA
             warm_up(model_config, dtype, config.page_size, config.max_num_seqs, device)
         self._requests: dict[str, Request] = {}
+        # Requests waiting for another's prompt to be computed (add_request's shares_prompt_with), by the
+        # id of the one they wait for: queued once it has an output.
+        self._deferred: dict[str, list[Request]] = {}
         self._arrivals = itertools.count()
         self._seeds = torch.Generator().manual_seed(config.seed)
         log.info(
@@ -283,13 +286,21 @@ class LLMEngine:
         adapter: str | None = None,
         tenant: str | None = None,
         tenant_weight: float = 1.0,
+        prompt_logprobs: int | None = None,
+        shares_prompt_with: str | None = None,
     ) -> str:
         """Queue a prompt (text, or token ids) and return its request id; `adapter` names a registered
         adapter (None: the base model). Its adapter starts loading into host memory now. `tenant` is
-        who asked (None: the anonymous tenant) and `tenant_weight` that tenant's share of a busy engine."""
+        who asked (None: the anonymous tenant) and `tenant_weight` that tenant's share of a busy engine.
+
+        `prompt_logprobs`: score the prompt's tokens too (echo), with this many alternatives each
+        (RequestOutput.prompt_logprobs). `shares_prompt_with`: the id of a queued request with the same
+        prompt, adapter and tenant (another choice of the same API request): this one waits until that
+        one's prompt is computed, then starts past its cached pages instead of computing them again."""
         if not tenant_weight > 0:
             raise ValueError(f"tenant_weight must be positive, got {tenant_weight}")
         params = params or SamplingParams()
+        check_number("logprobs", prompt_logprobs, LOGPROBS)
         if adapter is not None:
             self._check_adapter(adapter)
         if isinstance(prompt, str):
@@ -300,6 +311,8 @@ class LLMEngine:
         else:
             text, ids = None, [int(t) for t in prompt]
         self._check_sampling(params)
+        if prompt_logprobs is not None and prompt_logprobs > self.loaded.config.vocab_size:
+            raise LimitExceeded("logprobs", f"logprobs must be at most {self.loaded.config.vocab_size}")
         self._check_prompt(ids, params, adapter)
         arrival = next(self._arrivals)
         request_id = request_id or f"req-{arrival}"
@@ -314,6 +327,9 @@ class LLMEngine:
             )
             generator = torch.Generator().manual_seed(seed)
         detokenizer = IncrementalDetokenizer(self.tokenizer.decode, ids) if self.tokenizer else None
+        output = OutputState(prompt=text, detokenizer=detokenizer)
+        if prompt_logprobs is not None:
+            output.prompt_logprobs = [None] * len(ids)
         request = Request(
             request_id,
             ids,
@@ -322,15 +338,46 @@ class LLMEngine:
             adapter=adapter,
             tenant=tenant,
             tenant_weight=tenant_weight,
-            output=OutputState(prompt=text, detokenizer=detokenizer),
+            prompt_logprobs=prompt_logprobs,
+            output=output,
             sampling=SamplingState(generator=generator),
         )
         self._requests[request_id] = request
+        leader = self._prompt_leader(request, shares_prompt_with)
+        if leader is not None:
+            self._deferred.setdefault(leader, []).append(request)
+            return request_id
         self.scheduler.add(request)
         # Read ahead now, not when a step first wants it: the read overlaps the steps before it joins.
         if adapter is not None and len(self.scheduler.waiting) <= self.config.adapter_prefetch_depth:
             self.loader.prefetch([adapter])
         return request_id
+
+    def _prompt_leader(self, request: Request, leader_id: str | None) -> str | None:
+        """The request whose prompt `request` should wait for (None: start now). Waiting pays off only
+        where the prefix cache would then hold a page of the prompt for it; the leader must have the
+        same prompt, adapter and tenant (the cache's key) and not have computed its prompt yet."""
+        leader = self._requests.get(leader_id) if leader_id is not None else None
+        if (
+            leader is None
+            or leader.finished
+            or not self.config.prefix_caching
+            or request.prompt_logprobs is not None  # it reads nothing from the cache: no reason to wait
+            or leader.num_generated > 0
+            or (leader.adapter, leader.tenant) != (request.adapter, request.tenant)
+            or leader.prompt_token_ids != request.prompt_token_ids
+            or (len(request.prompt_token_ids) - 1) // self.config.page_size < 1
+        ):
+            return None
+        return leader.request_id
+
+    def _release_deferred(self, outputs: list[RequestOutput]) -> None:
+        """Queue the requests waiting for a prompt now computed: their leader has an output (its first
+        token, so its prompt's pages are in the prefix cache) or ended."""
+        for output in outputs:
+            for request in self._deferred.pop(output.request_id, ()):
+                if not request.finished:
+                    self.scheduler.add(request)
 
     def _check_adapter(self, name: str) -> None:
         """Raise unless new requests may name adapter `name`: the one check of it."""
@@ -380,13 +427,22 @@ class LLMEngine:
             )
 
     def abort(self, request_id: str) -> None:
-        """End a request (safe for finished or unknown ids); its pages go back at once."""
+        """End a request (safe for finished or unknown ids); its pages go back at once. Requests waiting
+        for its prompt start now, without it."""
         request = self._requests.pop(request_id, None)
-        if request is not None and not request.finished:
-            self.scheduler.finish(request, "abort")
+        if request is None or request.finished:
+            return
+        waiting_for = next((k for k, v in self._deferred.items() if request in v), None)
+        if waiting_for is not None:  # never queued: nothing of it is in the scheduler
+            self._deferred[waiting_for].remove(request)
+            request.status, request.finish_reason = RequestStatus.FINISHED, "abort"
+            return
+        self.scheduler.finish(request, "abort")
+        for follower in self._deferred.pop(request_id, ()):
+            self.scheduler.add(follower)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or any(self._deferred.values())
 
     def request_ids(self, status: RequestStatus) -> list[str]:
         """The requests with this status: running ones in admission order, waiting ones in queue
@@ -399,7 +455,7 @@ class LLMEngine:
     def waiting_by_tenant(self) -> dict[str | None, int]:
         """How many requests each tenant has waiting (the server's queue shares read it after a step)."""
         counts: dict[str | None, int] = {}
-        for request in self.scheduler.waiting:
+        for request in itertools.chain(self.scheduler.waiting, *self._deferred.values()):
             counts[request.tenant] = counts.get(request.tenant, 0) + 1
         return counts
 
@@ -413,7 +469,7 @@ class LLMEngine:
         return EngineStats(
             num_pages=self.pool.num_pages,
             pages=self.pool.pages_by_kind(),
-            waiting=len(self.scheduler.waiting),
+            waiting=len(self.scheduler.waiting) + sum(map(len, self._deferred.values())),
             running=len(self.scheduler.running),
             adapters_registered=registry.num_registered(),
             adapters_resident=registry.num_resident(),
@@ -444,8 +500,12 @@ class LLMEngine:
         read step n's sampled ids on the device), runs the host work that needs no token (adapter
         prefetch), and only then lands step n; step n+1 stays in flight until the next call. Outputs
         are those of the plain loop, one call later."""
-        if self._overlap:
-            return self._step_pipelined()
+        outputs = self._step_pipelined() if self._overlap else self._step_plain()
+        if self._deferred:
+            self._release_deferred(outputs)
+        return outputs
+
+    def _step_plain(self) -> list[RequestOutput]:
         plan, outputs = self._load(self.scheduler.schedule())
         self._read_ahead()
         if not plan.chunks:
@@ -591,6 +651,12 @@ class LLMEngine:
             logprobs=list(state.logprobs) if request.params.logprobs is not None else None,
             error=state.error,
             num_cached_tokens=request.num_cached_tokens,
+            # Complete, it is never written again (a scored prompt is not scored twice): shared, not copied.
+            prompt_logprobs=(
+                state.prompt_logprobs
+                if request.prompt_logprobs is not None and state.prompt_logprobs_done()
+                else None
+            ),
         )
         if isinstance(output, FailedOutput) and code is not None:
             output.error_code = code

@@ -24,6 +24,7 @@ from loraplex.wire import ADAPTER_FAILED, ENGINE_ERROR
 from loraplex.wire.errors import StepError
 
 from .lora.registry import AdapterRegistry
+from .prompt_logprobs import PromptScores
 from .request import Request, RequestOutput
 from .runner import ModelRunner, NonFiniteLogits, StepHandle
 from .scheduler import ScheduledChunk, Scheduler, StepPlan
@@ -48,8 +49,8 @@ class FaultGuard:
     ) -> StepHandle:
         """Queue the plan's (ordered) forward and sampling; nothing is read. The requests whose rows
         cannot be sampled end (their outputs appended to `outputs`) and leave the handle's plan."""
-        logits, finite = self.runner.forward(plan.chunks, feed)
-        return self.sample(plan, logits, finite, outputs)
+        logits, finite, scores = self.runner.forward(plan.chunks, feed)
+        return self.sample(plan, logits, finite, outputs, scores)
 
     def run(
         self, plan: StepPlan, failed: Exception | None = None
@@ -73,23 +74,30 @@ class FaultGuard:
             chunks, survived = self.isolate(plan.chunks, error, outputs)
             if survived is None:
                 return None, outputs
+            logits, scores = survived
             try:
-                handle = self.sample(plan.with_chunks(chunks), survived, None, outputs)
+                handle = self.sample(plan.with_chunks(chunks), logits, None, outputs, scores)
             except Exception as still:  # no row explains it: the step's failure, after what it ended
                 raise StepError(still, outputs) from still
         return handle, outputs
 
     def sample(
-        self, plan: StepPlan, logits: torch.Tensor, finite: torch.Tensor | None, outputs: list[RequestOutput]
+        self,
+        plan: StepPlan,
+        logits: torch.Tensor,
+        finite: torch.Tensor | None,
+        outputs: list[RequestOutput],
+        scores: PromptScores | None = None,
     ) -> StepHandle:
         """Sample the plan's sampling rows of logits [S, V] (`finite` [S]: the step's unread finite flags,
-        if any), inside each request's fault domain: sampling is per request, so if it raises, each row
-        is sampled alone; the requests whose rows fail end (engine_error, with the reason, appended to
-        `outputs`) and leave the plan, and the others are sampled without them, drawing what they would
-        have drawn. A failure no row explains alone is raised."""
+        if any; `scores`: the forward's prompt scores, landing with the tokens), inside each request's
+        fault domain: sampling is per request, so if it raises, each row is sampled alone; the requests
+        whose rows fail end (engine_error, with the reason, appended to `outputs`) and leave the plan, and
+        the others are sampled without them, drawing what they would have drawn. A failure no row explains
+        alone is raised."""
         requests = plan.sampling
         try:
-            return self.runner.sample(plan, logits, finite)
+            return self.runner.sample(plan, logits, finite, scores=scores)
         except Exception as error:
             reasons = {i: self.runner.sampling_failure(logits, i, r) for i, r in enumerate(requests)}
             failing = {i: why for i, why in reasons.items() if why is not None}
@@ -103,14 +111,15 @@ class FaultGuard:
         ended = {requests[i].request_id for i in failing}
         kept = [i for i in range(len(requests)) if i not in failing]
         rest = plan.keeping(lambda chunk: chunk.request.request_id not in ended)
-        return self.runner.sample(rest, logits, finite, rows=kept)
+        return self.runner.sample(rest, logits, finite, rows=kept, scores=scores)
 
     def isolate(
         self, chunks: list[ScheduledChunk], error: Exception, outputs: list[RequestOutput]
-    ) -> tuple[list[ScheduledChunk], torch.Tensor | None]:
+    ) -> tuple[list[ScheduledChunk], tuple[torch.Tensor, PromptScores] | None]:
         """After a failed forward: retry once; then end the requests of the adapters that fail on their
         own (appending their outputs) and run the rest. Non-finite logits no adapter explains end only
-        the requests they belong to (rows do not mix). Returns the chunks that ran and their logits."""
+        the requests they belong to (rows do not mix). Returns the chunks that ran and their logits and
+        prompt scores (None: no chunk is left)."""
         log.warning("a step failed (%s: %s); running it again", type(error).__name__, error)
         try:
             return chunks, self.runner.checked_logits(chunks)

@@ -174,7 +174,11 @@ class PrefixCache:
     # -- inside ---------------------------------------------------------------------------------------
 
     def _match(self, request: Request) -> list[int]:
-        # The page holding the last token is never taken: that token must be computed to sample.
+        # The page holding the last token is never taken: that token must be computed to sample. A request
+        # that scores its prompt (echo with logprobs) takes none until scored: it needs every position's
+        # logits (once scored, say after a preemption, it takes what it finds).
+        if request.prompt_logprobs is not None and not request.output.prompt_logprobs_done():
+            return []
         limit = (request.num_tokens - 1) // self.page_size
         state = self._state(request)
         pages = []

@@ -50,6 +50,13 @@ class OutputState:
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token, when asked for
     error: str | None = None  # why the request finished with reason "error"
+    # Echo: each prompt token's logprob given the tokens before it (engine/prompt_logprobs.py), by position;
+    # None until scored (the first token is never: nothing comes before it). Empty: not asked for.
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
+    prompt_scored: int = 0  # prompt positions scored so far: all scored at len(prompt) - 1
+
+    def prompt_logprobs_done(self) -> bool:
+        return self.prompt_scored >= len(self.prompt_logprobs) - 1
 
     @property
     def text(self) -> str:
@@ -84,6 +91,9 @@ class Request:
     # step can be planned to compute them, but their ids are on the device until that step lands.
     num_pending_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission (not computed)
+    # Echo: score the prompt's tokens (their logprobs, with this many alternatives each); None: do not.
+    # Such a request reads nothing from the prefix cache, whose pages it would have to compute anyway.
+    prompt_logprobs: int | None = None
     pages: list[int] = field(default_factory=list)
     holds_adapter: bool = False  # admitted: holds a reference that keeps its adapter resident
     num_preemptions: int = 0
@@ -139,3 +149,5 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None  # every output token's, when the request asked for them
     error: str | None = None  # finish_reason "error": what went wrong (e.g. its adapter failed to load)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache instead of computed
+    # Echo: every prompt token's logprob (the first None), once the whole prompt is scored; else None.
+    prompt_logprobs: list[TokenLogprob | None] | None = None

@@ -21,6 +21,7 @@ from .graphs import DecodeGraphs, tensor_key
 from .kv_cache import KVCache
 from .lora.step import KernelLoraStacker, KernelLoraStep, LoraStacker, LoraStep
 from .model.llama import LlamaModel
+from .prompt_logprobs import PromptScores, scored_rows
 from .request import Request
 from .sampler import StepSample, sample_step
 from .scheduler import ScheduledChunk, StepPlan
@@ -37,10 +38,12 @@ class NonFiniteLogits(RuntimeError):
 @dataclass
 class StepHandle:
     """A launched step whose tokens are not read yet: its plan, its sampled tokens on the device, and each
-    sampling request's row among them. `check` and `tokens` share the step's one device-to-host copy."""
+    sampling request's row among them. `check` and `tokens` share the step's one device-to-host copy; the
+    prompt logprobs of echo requests (`scores`, usually none) have a copy of their own."""
 
     plan: StepPlan
     sampled: StepSample
+    scores: PromptScores = field(default_factory=PromptScores.none)
     rows: dict[str, int] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -51,7 +54,8 @@ class StepHandle:
         check_finite(self.plan.chunks, self.sampled.finite())
 
     def tokens(self) -> list[int]:
-        """The sampled ids (logprobs and kept logits land on their requests)."""
+        """The sampled ids (logprobs, prompt logprobs and kept logits land on their requests)."""
+        self.scores.land()
         return self.sampled.resolve()
 
 
@@ -98,33 +102,41 @@ class ModelRunner:
         """Decodes first, longest context first, then prefill chunks: the layout `build` expects."""
         return order_chunks(chunks)
 
-    def build(self, chunks: Sequence[StepChunk]) -> StepBatch:
-        return self.builder.build(chunks)
+    def build(self, chunks: Sequence[StepChunk], scored: Sequence[int] | None = None) -> StepBatch:
+        return self.builder.build(chunks, scored)
 
     # -- a step -------------------------------------------------------------------------------------
 
     def forward(
         self, chunks: Sequence[ScheduledChunk], feed: StepHandle | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The chunks' sampled rows' logits [S, vocab] and whether each row is finite [S], both still
-        on the device: from the metadata copy to here nothing reads a device value, so nothing waits
-        for the device (what a captured CUDA graph of the decode step needs; tests/engine/test_dispatch.py).
+    ) -> tuple[torch.Tensor, torch.Tensor, PromptScores]:
+        """The chunks' sampled rows' logits [S, vocab], whether each row is finite [S], and the scoring
+        of the prompt tokens of the echo requests that ask (queued; usually none), all still on the
+        device: from the metadata copy to here nothing reads a device value, so nothing waits for the
+        device (what a captured CUDA graph of the decode step needs; tests/engine/test_dispatch.py).
         `feed`: the step in flight, whose sampled tokens are this step's pending ids. The padding rows of
         a graph-ready step are computed with the rest and dropped here (views)."""
-        batch = self.build(chunks)
+        scored = [scored_rows(chunk) for chunk in chunks]
+        batch = self.build(chunks, scored if any(scored) else None)
         if feed is not None:
             self._feed(batch.input_ids, chunks, feed)
-        logits = self.execute(batch)  # [S + padding, vocab]
-        finite = torch.isfinite(logits).all(dim=-1)  # over every row: one shape per bucket
-        real = logits.shape[0] - batch.num_padding
-        return logits[:real], finite[:real]
+        logits = self.execute(batch)  # [S + padding + P, vocab]
+        sampled = logits.shape[0] - batch.num_scored
+        scores = (
+            PromptScores.queue(logits[sampled:], chunks, scored) if batch.num_scored else PromptScores.none()
+        )
+        logits = logits[:sampled]
+        finite = torch.isfinite(logits).all(dim=-1)  # over every sampled row: one shape per bucket
+        real = sampled - batch.num_padding
+        return logits[:real], finite[:real], scores
 
-    def checked_logits(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
-        """Logits [S, vocab] of the chunks' sampled rows; NonFiniteLogits if any row is not finite. Reads
-        the finite flags at once (a copy of its own): the fault path's forward."""
-        logits, finite = self.forward(chunks)
+    def checked_logits(self, chunks: Sequence[ScheduledChunk]) -> tuple[torch.Tensor, PromptScores]:
+        """Logits [S, vocab] of the chunks' sampled rows, and their prompt scores; NonFiniteLogits if any
+        sampled row is not finite. Reads the finite flags at once (a copy of its own): the fault path's
+        forward."""
+        logits, finite, scores = self.forward(chunks)
         check_finite(chunks, finite.tolist())
-        return logits
+        return logits, scores
 
     def sample(
         self,
@@ -132,14 +144,16 @@ class ModelRunner:
         logits: torch.Tensor,
         finite: torch.Tensor | None = None,
         rows: list[int] | None = None,
+        scores: PromptScores | None = None,
     ) -> StepHandle:
         """Queue the draw of the plan's sampling requests' next tokens from logits [S, vocab] (`rows`:
-        only these rows of it, in order, one per sampling request); `finite` [S] rides in the same copy."""
+        only these rows of it, in order, one per sampling request); `finite` [S] rides in the same copy;
+        `scores`: the same forward's prompt scores, which land with the tokens."""
         if rows is not None:
             index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
             logits = logits.index_select(0, index)
             finite = None if finite is None else finite.index_select(0, index)
-        return StepHandle(plan, sample_step(logits, plan.sampling, finite))
+        return StepHandle(plan, sample_step(logits, plan.sampling, finite), scores or PromptScores.none())
 
     @staticmethod
     def sampling_failure(logits: torch.Tensor, row: int, request: Request) -> str | None:
@@ -202,6 +216,7 @@ class ModelRunner:
         if (
             buckets is None
             or batch.prefill is not None
+            or batch.num_scored  # a decode-shaped step that also scores prompt tokens is not a graph's
             or buckets.bucket(batch.num_decodes) != batch.num_decodes
         ):
             return None
