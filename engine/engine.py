@@ -388,7 +388,8 @@ class LLMEngine:
 
     def _check_sampling(self, params: SamplingParams) -> None:
         """What only this model bounds (SamplingParams checked the rest against the shared limits):
-        top_k and the logprob alternatives are counts of tokens, at most the vocabulary."""
+        top_k and the logprob alternatives are counts of tokens, at most the vocabulary, and logit_bias
+        names token ids in it."""
         vocab = self.loaded.config.vocab_size
         if params.top_k > vocab:
             raise LimitExceeded(
@@ -399,6 +400,12 @@ class LLMEngine:
             raise LimitExceeded(
                 "logprobs",
                 f"logprobs must be at most {vocab}, this model's vocabulary, got {params.logprobs}",
+            )
+        outside = max(params.logit_bias or (), default=-1)
+        if outside >= vocab:
+            raise LimitExceeded(
+                "logit_bias",
+                f"logit_bias names token id {outside}; this model's token ids are 0 to {vocab - 1}",
             )
 
     def _check_prompt(self, ids: list[int], params: SamplingParams, adapter: str | None = None) -> None:

@@ -21,6 +21,7 @@ from .graphs import DecodeGraphs, tensor_key
 from .kv_cache import KVCache
 from .lora.step import KernelLoraStacker, KernelLoraStep, LoraStacker, LoraStep
 from .model.llama import LlamaModel
+from .penalties import PenaltyStore
 from .prompt_logprobs import PromptScores, scored_rows
 from .request import Request
 from .sampler import StepSample, sample_step
@@ -97,6 +98,8 @@ class ModelRunner:
         self.scale = model.config.head_dim**-0.5
         self.builder = BatchBuilder(cache.page_size, self.device, buckets)
         self.graphs = graphs
+        # The penalised requests' output tokens, kept on the device between steps (engine/penalties.py).
+        self.penalties = PenaltyStore(model.config.vocab_size, self.device)
 
     def order(self, chunks: Sequence[Chunk]) -> list[Chunk]:
         """Decodes first, longest context first, then prefill chunks: the layout `build` expects."""
@@ -153,14 +156,15 @@ class ModelRunner:
             index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
             logits = logits.index_select(0, index)
             finite = None if finite is None else finite.index_select(0, index)
-        return StepHandle(plan, sample_step(logits, plan.sampling, finite), scores or PromptScores.none())
+        sampled = sample_step(logits, plan.sampling, finite, self.penalties)
+        return StepHandle(plan, sampled, scores or PromptScores.none())
 
-    @staticmethod
-    def sampling_failure(logits: torch.Tensor, row: int, request: Request) -> str | None:
+    def sampling_failure(self, logits: torch.Tensor, row: int, request: Request) -> str | None:
         """Why sampling row `row` of logits [S, vocab] for `request` alone raises (None: it does not), up
-        to the copy to the host, where a device reports its errors."""
+        to the copy to the host, where a device reports its errors. A penalised row writes the token it
+        draws where the step's draw writes it again (engine/penalties.py): trying it counts nothing twice."""
         try:
-            sample_step(logits[row : row + 1], [request]).wait()
+            sample_step(logits[row : row + 1], [request], penalties=self.penalties).wait()
         except Exception as error:
             return f"{type(error).__name__}: {error}"
         return None

@@ -1,7 +1,9 @@
 """Next-token choice for a whole step at once, on the logits' own device.
 
-One pass over the step's rows: greedy rows take the argmax; the others go through temperature, top-k,
-top-p and min-p as masks over the batch, then inverse-CDF sampling with one uniform number per row.
+One pass over the step's rows: the rows with penalties or a logit bias have their logits changed first
+(engine/penalties.py; a step without such rows skips it), then greedy rows take the argmax; the others go
+through temperature, top-k, top-p and min-p as masks over the batch, then inverse-CDF sampling with one
+uniform number per row.
 That number comes from a counter-based hash of (the request's seed, its output position), computed on
 the host, so a request's tokens depend on its seed and nothing else: not on the rows beside it, their
 order, the device, or how often it was preempted. Nothing here reads a device value until
@@ -17,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .penalties import PenaltyStore
 from .request import Request, TokenLogprob
 
 _MASK64 = (1 << 64) - 1
@@ -173,17 +176,29 @@ class StepSample:
 
 
 def sample_step(
-    logits: torch.Tensor, requests: Sequence[Request], finite: torch.Tensor | None = None
+    logits: torch.Tensor,
+    requests: Sequence[Request],
+    finite: torch.Tensor | None = None,
+    penalties: PenaltyStore | None = None,
 ) -> StepSample:
     """Sample one token per row of logits [S, V]; row i belongs to requests[i]. Queues device work only.
-    `finite` [S] bool (the engine's check of the logits) rides in the same copy: StepSample.finite()."""
+    `finite` [S] bool (the engine's check of the logits) rides in the same copy: StepSample.finite().
+    `penalties`: where the penalised requests' output tokens are kept between steps (the runner's; None:
+    a store for this call alone, filled from the tokens the host knows)."""
     if logits.shape[0] != len(requests):
         raise ValueError(f"{logits.shape[0]} rows of logits for {len(requests)} requests")
+    chooser = logits
+    penalised = [i for i, r in enumerate(requests) if r.params.penalized]
+    if penalised:
+        store = penalties or PenaltyStore(logits.shape[-1], logits.device)
+        chooser, recorded = store.apply(logits, requests, penalised)
     sampled = [i for i, r in enumerate(requests) if not r.params.greedy]
     # Greedy rows take the argmax; a step with none skips that pass.
-    greedy = logits.argmax(dim=-1) if not sampled or len(sampled) < len(requests) else None  # [S]
-    tokens = _sample_rows(logits, requests, sampled, greedy) if sampled else greedy
+    greedy = chooser.argmax(dim=-1) if not sampled or len(sampled) < len(requests) else None  # [S]
+    tokens = _sample_rows(chooser, requests, sampled, greedy) if sampled else greedy
     assert tokens is not None
+    if penalised:
+        recorded.record(tokens)
     rows = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
     # Read once, here: a count that is not an integer raises now, inside the engine's per-request fault
     # isolation, not in resolve(), which reads no parameter.
@@ -193,8 +208,8 @@ def sample_step(
     if finite is not None:
         parts.append(finite.double())
     if rows:
-        # The model's own distribution, before temperature and filtering (vLLM's): the figure means the
-        # same whatever the sampling parameters were.
+        # The model's own distribution, before penalties, bias, temperature and filtering (vLLM's
+        # raw_logprobs): the figure means the same whatever the sampling parameters were.
         index = torch.tensor(rows, device=logits.device)
         logp = torch.log_softmax(logits.index_select(0, index).float(), dim=-1)  # [R, V]
         parts.append(logp.gather(1, tokens.index_select(0, index)[:, None]).view(-1).double())

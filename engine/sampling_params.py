@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from loraplex.wire import limits
@@ -24,6 +25,12 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # None: none; k: the sampled token's log-probability and the k most likely
+    # Penalties (engine/penalties.py has their math): OpenAI's presence and frequency over the output's
+    # tokens, HF's repetition penalty over prompt and output (1: none), and a bias per token id.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: Mapping[int, float] | None = None
 
     def __post_init__(self) -> None:
         """Every number in the range of wire/limits.py (the bounds the HTTP API checks first), so
@@ -45,7 +52,24 @@ class SamplingParams:
         limits.check_number("min_p", self.min_p)
         limits.check_number("seed", self.seed)
         limits.check_number("logprobs", self.logprobs, limits.LOGPROBS)
+        limits.check_number("presence_penalty", self.presence_penalty)
+        limits.check_number("frequency_penalty", self.frequency_penalty)
+        limits.check_number("repetition_penalty", self.repetition_penalty)
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, Mapping):
+                raise limits.LimitExceeded("logit_bias", "logit_bias must map token ids to numbers")
+            limits.check_logit_bias(self.logit_bias)
+            # A copy with integer keys (OpenAI's JSON keys are strings), so no caller changes it later.
+            bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            object.__setattr__(self, "logit_bias", bias or None)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def penalized(self) -> bool:
+        """Whether the sampler changes this request's logits before choosing (a row that is not pays
+        nothing for the others that are)."""
+        penalties = self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+        return bool(penalties or self.logit_bias)

@@ -41,7 +41,12 @@ MAX_TEMPERATURE = 2.0  # OpenAI's range
 MAX_TOP_K = 1 << 20
 MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed takes
 MAX_LOGPROBS = 20  # OpenAI's: alternatives per token (completions' `logprobs`, chat's `top_logprobs`)
-MAX_PENALTY = 2.0  # presence and frequency penalties: OpenAI's range (this engine takes only 0)
+MAX_PENALTY = 2.0  # presence and frequency penalties: OpenAI's range
+# repetition_penalty (HF's and vLLM's: 1 is none) is a factor a seen token's logit is divided or multiplied
+# by; bounded away from 0 so a logit grows at most 100-fold (it stays finite in float32), and above by 10,
+# past which every seen token is as good as banned anyway.
+MIN_REPETITION_PENALTY = 0.01
+MAX_REPETITION_PENALTY = 10.0
 MAX_STOP_TOKEN_IDS = 16  # the offline API's stop_token_ids: checked after every token like stop strings
 
 # Temperatures above zero but below this are greedy (as in vLLM): dividing logits by 1e-300 overflows
@@ -98,6 +103,7 @@ NUMBER_FIELDS: dict[str, Range] = {
     "top_logprobs": LOGPROBS,
     "presence_penalty": Range(-MAX_PENALTY, MAX_PENALTY),
     "frequency_penalty": Range(-MAX_PENALTY, MAX_PENALTY),
+    "repetition_penalty": Range(MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY),  # an extension (vLLM's)
 }
 
 

@@ -59,13 +59,14 @@ class _GenerationRequest(BaseModel):
     ignore_eos: bool = False  # an extension (vLLM's): generate exactly max_tokens
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    repetition_penalty: float | None = Field(default=None, description="an extension, as in vLLM (1: none)")
     logit_bias: dict[str, float] | None = None
 
     # The caps of wire/limits.py, checked on the raw JSON before pydantic converts (and so pays for) every
     # element; a LimitExceeded reaches the client as a 400 naming the field (see app.py).
     @field_validator(
         "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "n", "presence_penalty",
-        "frequency_penalty", mode="before",
+        "frequency_penalty", "repetition_penalty", mode="before",
     )  # fmt: skip
     @classmethod
     def _bounded_number(cls, value: Any, info: ValidationInfo) -> Any:
@@ -83,8 +84,9 @@ class _GenerationRequest(BaseModel):
     @field_validator("logit_bias", mode="before")
     @classmethod
     def _bounded_logit_bias(cls, value: Any) -> Any:
-        if isinstance(value, dict):
-            limits.check_logit_bias(value)
+        if value is not None and not isinstance(value, dict):
+            raise limits.LimitExceeded("logit_bias", "logit_bias must be an object of token ids to numbers")
+        limits.check_logit_bias(value)
         return value
 
     @property
@@ -110,14 +112,13 @@ class _GenerationRequest(BaseModel):
             stop=self.stop_strings(),
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            logit_bias=self.logit_bias or None,
         )
 
     def refuse_unsupported(self) -> None:
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise bad_request(f"{name} is not supported by this server; leave it at 0", name)
-        if self.logit_bias:
-            raise bad_request("logit_bias is not supported by this server", "logit_bias")
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true", "stream_options")
 

@@ -226,9 +226,9 @@ def test_openai_errors(server: Server) -> None:
     with pytest.raises(openai.BadRequestError) as hot:
         sdk.completions.create(model=BASE, prompt="Hi", max_tokens=4, temperature=5)
     assert "temperature" in hot.value.message
-    with pytest.raises(openai.BadRequestError) as penalised:
-        sdk.completions.create(model=BASE, prompt="Hi", max_tokens=4, presence_penalty=1.0)
-    assert "presence_penalty" in penalised.value.message
+    with pytest.raises(openai.BadRequestError) as penalised:  # OpenAI's range is [-2, 2]
+        sdk.completions.create(model=BASE, prompt="Hi", max_tokens=4, presence_penalty=2.5)
+    assert "presence_penalty" in penalised.value.message and penalised.value.param == "presence_penalty"
     with pytest.raises(openai.BadRequestError) as batch:
         sdk.completions.create(model=BASE, prompt=["one", "two"], max_tokens=4)
     assert "one prompt per request" in batch.value.message

@@ -114,8 +114,6 @@ def test_each_app_has_its_own_registry() -> None:
 def test_refused_parameters_name_themselves() -> None:
     base = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
     for extra, param in (
-        ({"frequency_penalty": 0.5}, "frequency_penalty"),
-        ({"logit_bias": {"1": 2.0}}, "logit_bias"),
         ({"tools": [{"type": "function"}]}, "tools"),
         ({"response_format": {"type": "json_object"}}, "response_format"),
         ({"top_logprobs": 2}, "top_logprobs"),
@@ -125,6 +123,24 @@ def test_refused_parameters_name_themselves() -> None:
             protocol.ChatCompletionRequest(**base, **extra).refuse_unsupported()
         assert refused.value.status == 400 and refused.value.param == param
     protocol.ChatCompletionRequest(**base, n=1, presence_penalty=0, user="u").refuse_unsupported()
+    # Penalties and logit bias are served: accepted, and handed to the engine in its terms.
+    penalised = protocol.ChatCompletionRequest(
+        **base, presence_penalty=1.5, frequency_penalty=-0.5, repetition_penalty=1.2, logit_bias={"17": -100}
+    )
+    penalised.refuse_unsupported()
+    params = penalised.sampling_params(8, None)
+    assert (params.presence_penalty, params.frequency_penalty, params.repetition_penalty) == (1.5, -0.5, 1.2)
+    assert params.logit_bias == {17: -100.0}
+    for extra, param in (
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"frequency_penalty": 2.5}, "frequency_penalty"),
+        ({"logit_bias": {"1": 101}}, "logit_bias"),
+        ({"logit_bias": [1, 2]}, "logit_bias"),
+    ):
+        with pytest.raises(ValidationError) as capped:
+            protocol.ChatCompletionRequest(**base, **extra)
+        cause = capped.value.errors()[0]["ctx"]["error"]
+        assert isinstance(cause, limits.LimitExceeded) and cause.param == param
     # Over a cap of limits.py: refused while parsing, the cause naming the field (app.py answers 400).
     with pytest.raises(ValidationError) as capped:
         protocol.ChatCompletionRequest(**base, n=3)
