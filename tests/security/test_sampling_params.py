@@ -70,7 +70,7 @@ HOSTILE_NUMBERS: list[float] = [
 ]  # fmt: skip
 NUMERIC_FIELDS = [
     "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "n", "best_of",
-    "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty",
+    "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty",
 ]  # fmt: skip
 
 scalars = (
@@ -140,6 +140,7 @@ def assert_bounded_json(body: dict[str, Any], endpoint: str) -> None:
     bounded("top_logprobs", 0, 20, integer=True)
     bounded("presence_penalty", -2, 2)
     bounded("frequency_penalty", -2, 2)
+    bounded("repetition_penalty", 0.01, 10)  # a logit divided by it grows at most 100-fold: finite
     if endpoint == "completions":
         bounded("logprobs", 0, 20, integer=True)
 
@@ -155,6 +156,11 @@ def assert_bounded(params: SamplingParams, vocab: int = 2**24) -> None:
     assert params.logprobs is None or (
         type(params.logprobs) is int and 0 <= params.logprobs <= min(20, vocab)
     )
+    assert is_number(params.presence_penalty) and -2 <= params.presence_penalty <= 2
+    assert is_number(params.frequency_penalty) and -2 <= params.frequency_penalty <= 2
+    assert is_number(params.repetition_penalty) and 0.01 <= params.repetition_penalty <= 10
+    for token, bias in (params.logit_bias or {}).items():  # indices into the logits, values added to them
+        assert type(token) is int and 0 <= token < vocab and is_number(bias) and -100 <= bias <= 100
 
 
 def named_field(exc: Exception) -> str | None:
@@ -246,9 +252,9 @@ def recorded() -> Iterator[Recorded]:
     sampled: list[SamplingParams] = []
     real = runner_module.sample_step
 
-    def recording(logits: Any, requests: Any, finite: Any = None) -> Any:
+    def recording(logits: Any, requests: Any, finite: Any = None, penalties: Any = None) -> Any:
         sampled.extend(r.params for r in requests)
-        return real(logits, requests, finite)
+        return real(logits, requests, finite, penalties)
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(runner_module, "sample_step", recording)
@@ -301,7 +307,10 @@ VICTIM_PROMPT = [17, 300, 5, 99, 42]
 VICTIM = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 # Hostile values set on a request's SamplingParams after it was queued: past SamplingParams' checks and the
 # engine's vocabulary check, as a bug in either would let them through.
-BYPASS_FIELDS = ["top_k", "temperature", "top_p", "min_p", "logprobs", "seed"]
+BYPASS_FIELDS = [
+    "top_k", "temperature", "top_p", "min_p", "logprobs", "seed", "presence_penalty", "frequency_penalty",
+    "repetition_penalty",
+]  # fmt: skip
 # The paths a step's sampling takes: the plain loop, the pipelined one (async scheduling: a launch that
 # raises lands the step in flight, then runs the plain way), and each of them with a forward that fails
 # once every few calls (the retry: the step's forward runs again, then samples).
@@ -418,6 +427,11 @@ valid_params = st.builds(
     seed=st.none() | st.sampled_from([-(2**63), 2**64 - 1]) | st.integers(-(2**63), 2**64 - 1),
     logprobs=st.none() | st.integers(0, limits.MAX_LOGPROBS),
     ignore_eos=st.booleans(),
+    # Penalised rows beside the victim: its tokens must not move (engine/penalties.py changes a row alone).
+    presence_penalty=st.sampled_from([0.0, -2.0, 2.0]) | st.floats(-2.0, 2.0),
+    frequency_penalty=st.sampled_from([0.0, -2.0, 2.0]) | st.floats(-2.0, 2.0),
+    repetition_penalty=st.sampled_from([1.0, 0.01, 10.0]) | st.floats(0.01, 10.0),
+    logit_bias=st.none() | st.dictionaries(st.integers(0, VOCAB - 1), st.floats(-100.0, 100.0), max_size=4),
 )
 bypass = st.lists(
     st.tuples(st.sampled_from(BYPASS_FIELDS), st.sampled_from(HOSTILE_NUMBERS)),
