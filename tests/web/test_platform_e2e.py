@@ -7,14 +7,15 @@ from __future__ import annotations
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
-from openai import NotFoundError, OpenAI
+from openai import BadRequestError, NotFoundError, OpenAI
 
 from loraplex.web.app import create_app
 
-from .conftest import ADMIN, _admin_sql, _with_database, make_settings
+from .conftest import ADMIN, ENGINE_INTERNAL_TOKEN, _admin_sql, _with_database, make_settings
 from .servers import serve
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -90,3 +91,57 @@ def test_tenant_uploads_the_demo_adapter_and_streams_it_through_the_gateway(cont
     assert rows["shout"]["requests"] == 1 and rows["shout"]["completion_tokens"] == 24
     assert rows["shout"]["prompt_tokens"] > 10
     assert rows[BASE_MODEL]["requests"] == 1
+
+
+def test_penalties_and_logit_bias_reach_the_engine_through_the_gateway(
+    control_plane: str, engine_url: str
+) -> None:
+    """presence/frequency/repetition penalties and logit_bias through the gateway with the openai SDK: the
+    answers are the engine's own for the same body (so every field was passed on as sent), different from
+    the plain ones; a value past the shared limits is the gateway's 400 naming it, a token id outside the
+    vocabulary the engine's, passed on."""
+    tenant = httpx.post(f"{control_plane}/admin/v1/tenants", json={"name": "penalised"}, headers=ADMIN)
+    assert tenant.status_code == 201, tenant.text
+    key = httpx.post(
+        f"{control_plane}/admin/v1/tenants/{tenant.json()['id']}/keys", json={"name": "ci"}, headers=ADMIN
+    ).json()["key"]
+    gateway = OpenAI(base_url=f"{control_plane}/v1", api_key=key, max_retries=0, timeout=120)
+    engine = OpenAI(
+        base_url=f"{engine_url}/v1",
+        api_key="unused",
+        default_headers={"X-Loraplex-Internal-Token": ENGINE_INTERNAL_TOKEN},
+        max_retries=0,
+        timeout=120,
+    )
+    body: dict[str, Any] = {
+        "model": BASE_MODEL,
+        "prompt": "la la la la la la la la",
+        "max_tokens": 8,
+        "temperature": 0,
+    }
+    penalties: dict[str, Any] = {
+        "frequency_penalty": 1.5, "presence_penalty": 0.5, "logit_bias": {"28": -100},
+        "extra_body": {"repetition_penalty": 1.3},
+    }  # fmt: skip
+    plain = gateway.completions.create(**body).choices[0].text
+    penalised = gateway.completions.create(**body, **penalties).choices[0].text
+    assert penalised != plain
+    assert penalised == engine.completions.create(**body, **penalties).choices[0].text
+    streamed = "".join(
+        c.choices[0].text for c in gateway.completions.create(**body, **penalties, stream=True)
+    )
+    assert streamed == penalised
+
+    chat: dict[str, Any] = {"model": BASE_MODEL, "messages": QUESTION, "max_tokens": 6, "temperature": 0}
+    forced = gateway.chat.completions.create(**chat, logit_bias={"1234": 100}).choices[0].message.content
+    assert (
+        forced == engine.chat.completions.create(**chat, logit_bias={"1234": 100}).choices[0].message.content
+    )
+    assert forced != gateway.chat.completions.create(**chat).choices[0].message.content
+
+    with pytest.raises(BadRequestError) as capped:  # the shared limit, at the gateway
+        gateway.completions.create(**body, extra_body={"repetition_penalty": 0})
+    assert capped.value.param == "repetition_penalty"
+    with pytest.raises(BadRequestError) as outside:  # the vocabulary: the engine's check, passed on
+        gateway.completions.create(**body, logit_bias={"49152": 1})
+    assert outside.value.param == "logit_bias" and "49151" in outside.value.message
