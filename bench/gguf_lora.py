@@ -58,15 +58,16 @@ class BaseGGUF:
     """What the adapter file must agree with, read from the base model's GGUF file."""
 
     def __init__(self, path: Path):
-        from gguf import GGUFReader
+        # The engine's own header parser: gguf's GGUFReader takes seconds over a 49k-token vocabulary.
+        from loraplex.engine.model.gguf_header import parse_gguf_header
+        from loraplex.engine.model.gguf_loader import _map, config_from_metadata
 
-        from loraplex.engine.model.gguf_loader import config_from_metadata, read_metadata
-
-        reader = GGUFReader(str(path))
-        metadata = read_metadata(reader)
+        self.data = _map(path)
+        self.header = parse_gguf_header(self.data, str(path))
+        metadata = self.header.metadata
         self.path = path
         self.architecture = str(metadata["general.architecture"])
-        self.config = config_from_metadata(metadata, {t.name for t in reader.tensors}, path)
+        self.config = config_from_metadata(metadata, {t.name for t in self.header.tensors}, path)
 
     @property
     def shape(self) -> BaseShape:

@@ -14,6 +14,17 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Under -n, each worker's torch (and every engine, server or pod it starts, through OMP_NUM_THREADS)
+    gets its share of the cores, not all of them: more busy threads than cores make OpenMP's workers wait
+    on each other at every parallel op."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers > 1:
+        threads = str(max(1, len(os.sched_getaffinity(0)) // workers))
+        torch.set_num_threads(int(threads))
+        os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = threads
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """Under -n with --dist=loadscope (pyproject's): tests/scheduling.py's scopes, heaviest first."""

@@ -14,6 +14,7 @@ from gguf.quants import quant_shape_to_byte_shape
 from . import config_fields as fields
 from .config import ModelConfig
 from .errors import ModelLoadError
+from .gguf_dequant import dequantize_blocks, fast_types
 from .gguf_header import GGUFTensorInfo, parse_gguf_header
 from .limits import (
     MAX_CONTEXT_LENGTH,
@@ -184,7 +185,10 @@ def load_gguf(
             weights[name] = _int4_weight(tensor, raw, arch, config)
             continue
         try:
-            values = dequantize(raw, tensor.ggml_type)
+            if tensor.ggml_type.name in fast_types():
+                values = dequantize_blocks(raw, tensor.ggml_type.name)
+            else:
+                values = dequantize(raw, tensor.ggml_type)
         except NotImplementedError as exc:
             raise ModelLoadError(
                 f"{path}: tensor {tensor.name} uses quant type {tensor.ggml_type.name}, which cannot be "

@@ -29,6 +29,26 @@ def demo(base: gguf_lora.BaseGGUF) -> Any:
     return gguf_lora.open_peft(DEMO_ADAPTER_DIR, base)
 
 
+# Writing and reading back the demo's file takes seconds (gguf's writer and reader are plain Python): each
+# file is made once per module.
+@pytest.fixture(scope="module")
+def written(base: gguf_lora.BaseGGUF, demo: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """(metadata, tensors) of the demo adapter's file."""
+    return read_back(gguf_lora.write_lora_gguf(demo, base, tmp_path_factory.mktemp("gguf") / "demo.gguf"))
+
+
+@pytest.fixture(scope="module")
+def written_unpermuted(
+    base: gguf_lora.BaseGGUF, demo: Any, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, np.ndarray]:
+    """The tensors of the demo's file written with the q/k row permutation left out: what a writer that
+    dropped it would give."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gguf_lora, "permute_rows", lambda weight, heads: weight)
+        path = gguf_lora.write_lora_gguf(demo, base, tmp_path_factory.mktemp("gguf") / "unpermuted.gguf")
+    return read_back(path)[1]
+
+
 def read_back(path: Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     """(metadata, tensors as numpy [slowest first]) of a written file."""
     from gguf import GGUFReader
@@ -52,9 +72,9 @@ def test_permute_rows_interleaves_each_heads_rotary_halves() -> None:
 
 
 def test_demo_adapter_file_has_llama_cpps_names_shapes_and_alpha(
-    base: gguf_lora.BaseGGUF, demo: Any, tmp_path: Path
+    base: gguf_lora.BaseGGUF, demo: Any, written: Any
 ) -> None:
-    metadata, tensors = read_back(gguf_lora.write_lora_gguf(demo, base, tmp_path / "demo.gguf"))
+    metadata, tensors = written
     assert metadata["general.architecture"] == "llama"
     assert metadata["general.type"] == "adapter"
     assert metadata["adapter.type"] == "lora"
@@ -69,9 +89,7 @@ def test_demo_adapter_file_has_llama_cpps_names_shapes_and_alpha(
             expected[f"{name}.lora_b"] = (out_features, 8)
     assert {n: t.shape for n, t in tensors.items()} == expected
     # Every name is a base tensor's name plus .lora_a / .lora_b (llama.cpp refuses any other).
-    from gguf import GGUFReader
-
-    base_names = {t.name for t in GGUFReader(str(base.path)).tensors}
+    base_names = {t.name for t in base.header.tensors}
     assert {n.rsplit(".", 1)[0] for n in tensors} <= base_names
     # A is written as PEFT has it; v's B (never permuted) too.
     weights = demo.load(torch.float32)
@@ -92,16 +110,17 @@ def adapted_as_our_loader_reads_it(
 
 @pytest.mark.parametrize("module", ["q", "k"])
 def test_q_and_k_through_the_files_permutation_equal_our_loaders_weight_plus_the_delta(
-    base: gguf_lora.BaseGGUF, demo: Any, module: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    base: gguf_lora.BaseGGUF, demo: Any, module: str, written: Any, written_unpermuted: dict[str, np.ndarray]
 ) -> None:
-    from gguf import GGUFReader
     from gguf.quants import dequantize
+
+    from loraplex.engine.model.gguf_loader import _tensor_data
 
     layer = 5
     name = f"blk.{layer}.{gguf_lora.GGUF_TENSORS[module]}.weight"
-    tensor = next(t for t in GGUFReader(str(base.path)).tensors if t.name == name)
+    tensor = next(t for t in base.header.tensors if t.name == name)
     # The base weight as llama.cpp's converter stored it (its rows permuted): what llama.cpp adds to.
-    stored = dequantize(tensor.data, tensor.tensor_type).reshape(tuple(reversed(tensor.shape)))
+    stored = dequantize(_tensor_data(base.data, tensor), tensor.ggml_type).reshape(tensor.shape)
     stored = np.asarray(stored, dtype=np.float32)
     heads = {"q": base.config.num_heads, "k": base.config.num_kv_heads}[module]
     assert base.heads(module) == heads
@@ -109,14 +128,11 @@ def test_q_and_k_through_the_files_permutation_equal_our_loaders_weight_plus_the
     a, b = (t.numpy() for t in demo.load(torch.float32)[(layer, module)])
     expected = _unpermute(stored, heads) + 2.0 * (b @ a)
 
-    _, tensors = read_back(gguf_lora.write_lora_gguf(demo, base, tmp_path / "demo.gguf"))
-    got = adapted_as_our_loader_reads_it(tensors, 16.0, stored, name, heads)
+    got = adapted_as_our_loader_reads_it(written[1], 16.0, stored, name, heads)
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
 
     # Without the permutation the same check fails: the test sees a dropped or wrong reorder.
-    monkeypatch.setattr(gguf_lora, "permute_rows", lambda weight, heads: weight)
-    _, unpermuted = read_back(gguf_lora.write_lora_gguf(demo, base, tmp_path / "unpermuted.gguf"))
-    wrong = adapted_as_our_loader_reads_it(unpermuted, 16.0, stored, name, heads)
+    wrong = adapted_as_our_loader_reads_it(written_unpermuted, 16.0, stored, name, heads)
     assert not np.allclose(wrong, expected, rtol=1e-5, atol=1e-5)
 
 

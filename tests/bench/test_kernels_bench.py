@@ -18,7 +18,8 @@ from loraplex.bench import kernels
 def small_args(*extra: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     kernels.add_arguments(parser)
-    return parser.parse_args(["--small", "--device", "auto", *extra])
+    # One timed call and no warm-up: interpreted timings are not figures, and each call costs seconds.
+    return parser.parse_args(["--small", "--device", "auto", "--repeats", "1", "--warmup", "0", *extra])
 
 
 def test_small_mode_times_every_case_checked_with_floors_and_baseline(
