@@ -53,8 +53,14 @@ MAX_STOP_TOKEN_IDS = 16  # the offline API's stop_token_ids: checked after every
 # them to infinity, and sampling from that raises, failing the step of every tenant in the batch.
 MIN_SAMPLING_TEMPERATURE = 1e-5
 
-# Choices per request: the engine returns one.
-MAX_CHOICES = 1
+# Choices. Each choice is a sequence the engine generates (best_of of them per prompt, n returned), and
+# each sequence takes a place in the engine's queue and its own KV pages, so one request's sequences are
+# bounded as a whole: prompts x best_of <= MAX_SEQUENCES. (OpenAI allows n up to 128; one GPU shared by
+# many tenants should not take 128 x max_tokens from one request.)
+MAX_CHOICES = 16  # n: choices returned per prompt
+MAX_BEST_OF = 16  # best_of: sequences generated per prompt, the n most likely returned (completions)
+MAX_PROMPTS = 32  # prompts in one completions request (a list of texts or of token-id lists)
+MAX_SEQUENCES = 64  # prompts x max(n, best_of): the sequences one request puts in the engine
 
 # Output tokens one request may ask for, whatever the model's context (which bounds it further).
 MAX_COMPLETION_TOKENS = 65_536
@@ -90,6 +96,8 @@ class Range:
 # completions' `logprobs` is LOGPROBS.
 LOGPROBS = Range(0, MAX_LOGPROBS, integer=True)
 COMPLETION_TOKENS = Range(1, MAX_COMPLETION_TOKENS, integer=True)
+# Completions with `echo`: max_tokens 0 scores the prompt and generates nothing (lm-eval's loglikelihood).
+ECHO_COMPLETION_TOKENS = Range(0, MAX_COMPLETION_TOKENS, integer=True)
 NUMBER_FIELDS: dict[str, Range] = {
     "temperature": Range(0.0, MAX_TEMPERATURE),
     "top_p": Range(0.0, 1.0, low_open=True),
@@ -99,7 +107,7 @@ NUMBER_FIELDS: dict[str, Range] = {
     "max_tokens": COMPLETION_TOKENS,
     "max_completion_tokens": COMPLETION_TOKENS,
     "n": Range(1, MAX_CHOICES, integer=True),
-    "best_of": Range(1, 1, integer=True),
+    "best_of": Range(1, MAX_BEST_OF, integer=True),
     "top_logprobs": LOGPROBS,
     "presence_penalty": Range(-MAX_PENALTY, MAX_PENALTY),
     "frequency_penalty": Range(-MAX_PENALTY, MAX_PENALTY),
@@ -137,9 +145,12 @@ def check_number(param: str, value: object, bound: Range | None = None) -> None:
         raise LimitExceeded(param, f"{param} must be {span}, got {_shown(value)}")
 
 
-def check_numbers(body: Mapping[str, Any]) -> None:
-    """check_number on each field of NUMBER_FIELDS that `body` holds."""
+def check_numbers(body: Mapping[str, Any], completions: bool = False) -> None:
+    """check_number on each field of NUMBER_FIELDS that `body` holds; `completions`: the body of
+    /v1/completions, whose `max_tokens` may be 0 with `echo` (ECHO_COMPLETION_TOKENS)."""
     for param, bound in NUMBER_FIELDS.items():
+        if completions and param == "max_tokens" and body.get("echo") is True:
+            bound = ECHO_COMPLETION_TOKENS
         check_number(param, body.get(param), bound)
 
 
@@ -214,4 +225,49 @@ def check_chat_messages(count: int) -> None:
     if count > MAX_CHAT_MESSAGES:
         raise LimitExceeded(
             "messages", f"messages has {count} entries; at most {MAX_CHAT_MESSAGES} are allowed"
+        )
+
+
+def prompt_count(prompt: object) -> int:
+    """How many prompts a completions `prompt` holds: a text or one list of token ids is one; a list of
+    texts or of token-id lists is one per entry (an empty list: none)."""
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
+        return len(prompt)
+    return 0 if prompt == [] else 1
+
+
+def check_prompt(prompt: object) -> None:
+    """A completions `prompt`, bounded before it is parsed: every text to MAX_PROMPT_CHARS, every list of
+    token ids to MAX_PROMPT_TOKENS, and a list of prompts to MAX_PROMPTS entries. Checked by its size
+    only; whether it is well formed is the parser's question."""
+    if isinstance(prompt, str):
+        check_prompt_chars("prompt", len(prompt))
+        return
+    if not isinstance(prompt, list):
+        return
+    # The outer list first: a list of prompts is bounded by count, anything else as one prompt's token ids.
+    count = prompt_count(prompt)
+    if count > MAX_PROMPTS:
+        raise LimitExceeded("prompt", f"prompt holds {count} prompts; at most {MAX_PROMPTS} are allowed")
+    check_prompt_tokens("prompt", len(prompt))
+    for item in prompt:
+        if isinstance(item, str):
+            check_prompt_chars("prompt", len(item))
+        elif isinstance(item, list):
+            check_prompt_tokens("prompt", len(item))
+
+
+def check_choices(prompts: int, n: object, best_of: object = None) -> None:
+    """`n` choices of `best_of` sequences per prompt (None: OpenAI's default, 1 and n), each already in
+    its NUMBER_FIELDS range: best_of at least n, and prompts x best_of at most MAX_SEQUENCES."""
+    choices = n if isinstance(n, int) and not isinstance(n, bool) else 1
+    sequences = best_of if isinstance(best_of, int) and not isinstance(best_of, bool) else choices
+    if sequences < choices:
+        raise LimitExceeded("best_of", f"best_of ({sequences}) must be at least n ({choices})")
+    if prompts * sequences > MAX_SEQUENCES:
+        param = "best_of" if best_of is not None and sequences > choices else "n"
+        raise LimitExceeded(
+            param,
+            f"{prompts} prompt(s) x {sequences} sequences each is {prompts * sequences} sequences; at most "
+            f"{MAX_SEQUENCES} are allowed per request",
         )

@@ -45,12 +45,15 @@ from loraplex.wire.errors import (
 
 from . import jobs, protocol, tokenization
 from .async_engine import AsyncEngine
+from .choices import Job, Prompt
 from .delivery import (
     AbortingStreamingResponse,
     ClientGone,
     Delivery,
-    Job,
-    last_output,
+    Merged,
+    abort_unfinished,
+    failure_event,
+    last_outputs,
     output_failure,
     unless_disconnected,
 )
@@ -271,17 +274,11 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
         body.refuse_unsupported()
         engine = state.serving()
         adapter = await state.registrar.adapter_for(engine, request, body.model, caller)
-        prompt = body.single_prompt()
-        tokenizer = engine.tokenizer
-        if isinstance(prompt, str):
-            if tokenizer is None:
-                raise bad_request("this model has no tokenizer: send the prompt as token ids", "prompt")
-            ids = await asyncio.to_thread(tokenizer.encode, prompt)
-        else:
-            ids = prompt
-        params = jobs.sampling_params(engine, body, len(ids), body.max_tokens, body.logprobs, adapter)
+        prompts = [await _completion_prompt(engine, body, adapter, p) for p in body.prompts()]
         job = Job(
-            False, body.model, adapter, ids, params, body.stream, body.include_usage, caller.tenant
+            False, body.model, adapter, prompts, body.stream, body.include_usage, caller.tenant,
+            n=body.choices_per_prompt, best_of=body.sequences_per_prompt, logprobs=body.logprobs,
+            echo=body.echo, echo_only=body.echo_only,
         )  # fmt: skip
         return await _run(state, job, request)
 
@@ -301,44 +298,81 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
         except Exception as exc:  # the template refused the conversation, or the tokenizer did
             raise bad_request(f"messages: {exc}", "messages") from exc
         params = jobs.sampling_params(engine, body, len(ids), body.token_limit, body.logprobs_wanted, adapter)
+        n = body.choices_per_prompt
         job = Job(
-            True, body.model, adapter, ids, params, body.stream, body.include_usage, caller.tenant
+            True, body.model, adapter, [Prompt(ids, params)], body.stream, body.include_usage, caller.tenant,
+            n=n, best_of=n, logprobs=body.logprobs_wanted,
         )  # fmt: skip
         return await _run(state, job, request)
 
 
+async def _completion_prompt(
+    engine: AsyncEngine, body: protocol.CompletionRequest, adapter: str | None, prompt: str | list[int]
+) -> Prompt:
+    """One prompt of a completions request, tokenized, with its sequences' parameters: max_tokens 0 (echo
+    only) asks the engine for one token, dropped (choices.py); best_of asks for logprobs to rank by."""
+    tokenizer = engine.tokenizer
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise bad_request("this model has no tokenizer: send the prompt as token ids", "prompt")
+        ids = await asyncio.to_thread(tokenizer.encode, prompt)
+    else:
+        ids = prompt
+    echo_text = ""
+    if body.echo:
+        echo_text = prompt if isinstance(prompt, str) else await asyncio.to_thread(_decode, engine, ids)
+    limit = 1 if body.echo_only else body.max_tokens
+    logprobs = body.logprobs
+    if logprobs is None and body.sequences_per_prompt > body.choices_per_prompt:
+        logprobs = 0  # the chosen tokens' logprobs rank the sequences; none are reported
+    return Prompt(ids, jobs.sampling_params(engine, body, len(ids), limit, logprobs, adapter), echo_text)
+
+
+def _decode(engine: AsyncEngine, ids: list[int]) -> str:
+    tokenizer = engine.tokenizer
+    return tokenizer.decode(ids, skip_special_tokens=False) if tokenizer else ""
+
+
 async def _run(state: ServerState, job: Job, request: Request) -> Response:
     engine = state.serving()
-    stream = await jobs.submit(engine, job)
+    jobs.check_room(engine, job)
+    streams = await jobs.submit(engine, job)
     tokenizer = engine.tokenizer
 
     def text_of(token_id: int) -> str:
         return tokenizer.decode([token_id], skip_special_tokens=False) if tokenizer else str(token_id)
 
-    delivery = Delivery(job, text_of)
+    delivery = Delivery(job, streams, text_of)
+    merged: Merged | None = None
     handed_over = False
     try:
         try:
             if job.stream:
-                first = await unless_disconnected(request, stream.next())
+                # The status is decided by the first output of any sequence (or its failure).
+                merged = Merged(streams)
+                first = await unless_disconnected(request, merged.get())
+                broken = failure_event(first[1])
             else:
-                first = await unless_disconnected(request, last_output(stream))
+                outputs = await unless_disconnected(request, last_outputs(streams))
+                broken = next((e for e in map(output_failure, outputs) if e is not None), None)
         except ClientGone:
             return Response(status_code=499)
         except OpenAIError:
             raise
         except Exception as exc:
             raise failure_error(exc) from exc
-        broken = output_failure(first, job)
         if broken is not None:
             raise broken
         if not job.stream:
-            return JSONResponse(delivery.whole(first))
+            return JSONResponse(delivery.whole(outputs))
+        assert merged is not None
         handed_over = True
-        return AbortingStreamingResponse(delivery.events(first, stream), stream, engine)
+        return AbortingStreamingResponse(delivery.events(first, merged), streams, engine, merged)
     finally:
-        if not handed_over and not stream.done:
-            engine.abort(stream.request_id)
+        if not handed_over:
+            if merged is not None:
+                merged.close()
+            abort_unfinished(engine, streams)
 
 
 def _add_adapter_routes(app: FastAPI, state: ServerState) -> None:

@@ -88,6 +88,10 @@ def store_unreadable(error: Exception) -> AdapterUnavailable:
     return AdapterUnavailable(f"the adapter store could not be read: {type(error).__name__}: {error}")
 
 
+def new_request_id() -> str:
+    return f"req-{uuid.uuid4().hex}"
+
+
 class AdapterFetchFailed(AdapterError):
     """Nothing usable at the adapter's URI (as opposed to something there that fails validation)."""
 
@@ -219,8 +223,13 @@ class AsyncEngine:
         params: SamplingParams,
         adapter: str | None = None,
         tenant: TenantRef = NO_TENANT,
+        request_id: str | None = None,
+        prompt_logprobs: int | None = None,
+        shares_prompt_with: str | None = None,
     ) -> RequestStream:
-        """Queue a request; returns once the engine accepted it (ValueError names what it refused)."""
+        """Queue a request; returns once the engine accepted it (ValueError names what it refused).
+        `request_id`: the id to give it (default: a fresh one); `prompt_logprobs` and `shares_prompt_with`
+        as LLMEngine.add_request's. Adds posted one after another reach the engine in that order."""
         tenant_id = tenant.tenant_id
         if not self.accepting:
             raise EngineUnavailable(self.not_ready_reason)
@@ -236,11 +245,12 @@ class AsyncEngine:
             self._pending_adds += 1
             self._pending_by_tenant[tenant_id] = self._pending_by_tenant.get(tenant_id, 0) + 1
             self._queued.take(tenant_id)
-        stream = RequestStream(f"req-{uuid.uuid4().hex}")
+        stream = RequestStream(request_id or new_request_id())
         accepted = self._future()
         ids, arrival = list(prompt_token_ids), time.monotonic()
+        extras = {"prompt_logprobs": prompt_logprobs, "shares_prompt_with": shares_prompt_with}
         self._post(
-            lambda: self._add(stream, ids, params, adapter, tenant, arrival, accepted),
+            lambda: self._add(stream, ids, params, adapter, tenant, arrival, accepted, extras),
             accepted,
         )
         try:
@@ -430,6 +440,7 @@ class AsyncEngine:
         tenant: TenantRef,
         arrival: float,
         accepted: asyncio.Future[None],
+        extras: dict[str, Any],
     ) -> None:
         with self._pending_lock:
             self._pending_adds -= 1
@@ -445,6 +456,7 @@ class AsyncEngine:
                 adapter=adapter,
                 tenant=tenant.tenant_id,
                 tenant_weight=tenant.weight,
+                **extras,
             )
         except Exception as exc:  # the engine's refusal (wire/errors.py) goes to the caller as it is
             outcome = exc

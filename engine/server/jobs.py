@@ -3,6 +3,7 @@ on, and its submission, with the engine's refusals answered as HTTP errors."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import TYPE_CHECKING
 
 from loraplex import wire
@@ -18,8 +19,8 @@ from loraplex.wire.errors import (
 )
 
 from . import protocol
-from .async_engine import AsyncEngine, RequestStream
-from .delivery import Job
+from .async_engine import AsyncEngine, RequestStream, new_request_id
+from .choices import Job
 from .protocol import bad_request
 
 if TYPE_CHECKING:
@@ -60,17 +61,58 @@ def sampling_params(
         raise bad_request(str(exc), getattr(exc, "param", None), limit_code(exc)) from exc
 
 
-async def submit(engine: AsyncEngine, job: Job) -> RequestStream:
-    try:
-        return await engine.add_request(job.prompt_ids, job.params, job.adapter, job.tenant)
-    except (QueueFull, OverShare, EngineUnavailable) as exc:  # OverShare: other tenants still get in
-        raise failure_error(exc) from exc
-    except UnknownAdapterError as exc:  # these two before ValueError: each is one
-        raise answer(UnknownAdapterError, f"The model `{job.model}` does not exist.") from exc
-    except RefusedAdapterError as exc:
-        raise answer(RefusedAdapterError, f"adapter {job.model!r}: {exc}") from exc
-    except ValueError as exc:  # the engine's own checks (pool size, vocabulary) name the limit
-        raise bad_request(str(exc), getattr(exc, "param", None), limit_code(exc)) from exc
+def check_room(engine: AsyncEngine, job: Job) -> None:
+    """A request whose sequences could never all be queued here is a 400, not a retry that cannot help."""
+    if job.num_sequences > engine.max_queue:
+        param = "best_of" if job.best_of > job.n else ("n" if job.n > 1 else "prompt")
+        raise bad_request(
+            f"this request makes {job.num_sequences} sequences ({len(job.prompts)} prompt(s) x "
+            f"{job.best_of}); this engine queues at most {engine.max_queue}: send fewer prompts or choices",
+            param,
+            wire.LIMIT_EXCEEDED,
+        )
+
+
+async def submit(engine: AsyncEngine, job: Job) -> list[RequestStream]:
+    """Every sequence of the job into the engine at once (they batch), in order: per prompt its first
+    sequence, then the others, which wait in the engine for its prefill (choices.py). All or none: when
+    the engine refuses one, those already queued are aborted and the refusal is answered."""
+    adds = []
+    for prompt in job.prompts:
+        first = new_request_id()
+        for copy in range(job.best_of):
+            adds.append(
+                engine.add_request(
+                    prompt.ids,
+                    job.sequence_params(prompt, copy),
+                    job.adapter,
+                    job.tenant,
+                    request_id=first if copy == 0 else None,
+                    prompt_logprobs=job.prompt_logprobs,
+                    shares_prompt_with=first if copy else None,
+                )
+            )
+    results = await asyncio.gather(*adds, return_exceptions=True)
+    streams = [r for r in results if isinstance(r, RequestStream)]
+    refusal = next((r for r in results if isinstance(r, BaseException)), None)
+    if refusal is None:
+        return streams
+    for stream in streams:
+        engine.abort(stream.request_id)
+    raise refused(job, refusal)
+
+
+def refused(job: Job, exc: BaseException) -> BaseException:
+    """The HTTP error for the engine's refusal to queue a sequence of `job`."""
+    if isinstance(exc, QueueFull | OverShare | EngineUnavailable):  # OverShare: other tenants still get in
+        return failure_error(exc)
+    if isinstance(exc, UnknownAdapterError):  # these two before ValueError: each is one
+        return answer(UnknownAdapterError, f"The model `{job.model}` does not exist.")
+    if isinstance(exc, RefusedAdapterError):
+        return answer(RefusedAdapterError, f"adapter {job.model!r}: {exc}")
+    if isinstance(exc, ValueError):  # the engine's own checks (pool size, vocabulary) name the limit
+        return bad_request(str(exc), getattr(exc, "param", None), limit_code(exc))
+    return exc
 
 
 def limit_code(exc: ValueError) -> str | None:

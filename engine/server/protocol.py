@@ -64,8 +64,9 @@ class _GenerationRequest(BaseModel):
 
     # The caps of wire/limits.py, checked on the raw JSON before pydantic converts (and so pays for) every
     # element; a LimitExceeded reaches the client as a 400 naming the field (see app.py).
+    # max_tokens is each endpoint's own: completions with echo may ask for 0.
     @field_validator(
-        "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "n", "presence_penalty",
+        "temperature", "top_p", "top_k", "min_p", "seed", "n", "presence_penalty",
         "frequency_penalty", "repetition_penalty", mode="before",
     )  # fmt: skip
     @classmethod
@@ -137,6 +138,16 @@ class CompletionRequest(_GenerationRequest):
     suffix: str | None = None
     best_of: int | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _bounded_max_tokens(cls, data: Any) -> Any:
+        # Before the fields are parsed, so it sees `echo`: with it, max_tokens 0 scores the prompt only.
+        if isinstance(data, dict):
+            echo = data.get("echo") is True
+            bound = limits.ECHO_COMPLETION_TOKENS if echo else limits.COMPLETION_TOKENS
+            limits.check_number("max_tokens", data.get("max_tokens"), bound)
+        return data
+
     @field_validator("logprobs", "best_of", mode="before")
     @classmethod
     def _bounded_completion_number(cls, value: Any, info: ValidationInfo) -> Any:
@@ -149,42 +160,45 @@ class CompletionRequest(_GenerationRequest):
     @field_validator("prompt", mode="before")
     @classmethod
     def _bounded_prompt(cls, value: Any) -> Any:
-        if isinstance(value, str):
-            limits.check_prompt_chars("prompt", len(value))
-        elif isinstance(value, list):
-            # One prompt per request is enforced later; here only what parsing would cost is bounded.
-            limits.check_prompt_tokens("prompt", len(value))
-            for item in value:
-                if isinstance(item, str):
-                    limits.check_prompt_chars("prompt", len(item))
-                elif isinstance(item, list):
-                    limits.check_prompt_tokens("prompt", len(item))
+        limits.check_prompt(value)  # what parsing would cost; the form is the field's type
         return value
+
+    @model_validator(mode="after")
+    def _bounded_choices(self) -> CompletionRequest:
+        limits.check_choices(limits.prompt_count(self.prompt), self.n, self.best_of)
+        return self
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
-        if self.echo:
-            raise bad_request("echo is not supported by this server", "echo")
         if self.suffix:
             raise bad_request("suffix is not supported by this server", "suffix")
-        if self.best_of not in (None, 1):
-            raise bad_request(f"best_of={self.best_of} is not supported: only 1", "best_of")
+        if self.stream and self.sequences_per_prompt > self.choices_per_prompt:
+            raise bad_request("best_of must equal n when streaming: only the n returned stream", "best_of")
 
-    def single_prompt(self) -> str | list[int]:
-        """The one prompt of this request: a text or token ids (batches of prompts are refused)."""
+    @property
+    def choices_per_prompt(self) -> int:
+        return self.n or 1
+
+    @property
+    def sequences_per_prompt(self) -> int:
+        """best_of: the sequences generated per prompt, of which the n most likely are returned."""
+        return self.best_of or self.choices_per_prompt
+
+    @property
+    def echo_only(self) -> bool:
+        """echo with max_tokens 0: the prompt (and its logprobs) is the whole answer."""
+        return self.echo and self.max_tokens == 0
+
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt of this request, a text or token ids, in order (the choices' indices count them)."""
         prompt = self.prompt
         if isinstance(prompt, str):
-            return prompt
+            return [prompt]
         if not prompt:
             raise bad_request("prompt is empty", "prompt")
         if isinstance(prompt[0], int):
-            return [int(t) for t in prompt]
-        if len(prompt) != 1:
-            raise bad_request(
-                f"prompt holds {len(prompt)} prompts; this server takes one prompt per request", "prompt"
-            )
-        first = prompt[0]
-        return first if isinstance(first, str) else [int(t) for t in first]
+            return [[int(t) for t in prompt]]  # type: ignore[union-attr]
+        return [p if isinstance(p, str) else [int(t) for t in p] for p in prompt]  # type: ignore[union-attr]
 
 
 class ChatMessage(BaseModel):
@@ -227,7 +241,7 @@ class ChatCompletionRequest(_GenerationRequest):
     functions: list[Any] | None = None
     response_format: dict[str, Any] | None = None
 
-    @field_validator("max_completion_tokens", "top_logprobs", mode="before")
+    @field_validator("max_tokens", "max_completion_tokens", "top_logprobs", mode="before")
     @classmethod
     def _bounded_chat_number(cls, value: Any, info: ValidationInfo) -> Any:
         assert info.field_name is not None
@@ -244,7 +258,12 @@ class ChatCompletionRequest(_GenerationRequest):
     @model_validator(mode="after")
     def _bounded_conversation(self) -> ChatCompletionRequest:
         limits.check_prompt_chars("messages", sum(m.content_chars for m in self.messages))
+        limits.check_choices(1, self.n)
         return self
+
+    @property
+    def choices_per_prompt(self) -> int:
+        return self.n or 1
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
@@ -327,10 +346,21 @@ def chat_logprobs(entries: Sequence[TokenLogprob], text_of: TokenText) -> dict[s
 
 
 def completion_logprobs(
-    entries: Sequence[TokenLogprob], text_of: TokenText, offset: int = 0
+    entries: Sequence[TokenLogprob], text_of: TokenText, offset: int = 0, unscored: Sequence[int] = ()
 ) -> tuple[dict[str, Any], int]:
-    """The legacy completions logprobs object, and the text offset after its tokens."""
-    tokens, token_logprobs, top, offsets = [], [], [], []
+    """The legacy completions logprobs object, and the text offset after its tokens. `unscored`: tokens
+    before `entries` that have no logprob (echo's first prompt token): null logprob and alternatives."""
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    top: list[dict[str, float] | None] = []
+    offsets: list[int] = []
+    for token_id in unscored:
+        text = text_of(token_id)
+        tokens.append(text)
+        token_logprobs.append(None)
+        top.append(None)
+        offsets.append(offset)
+        offset += len(text)
     for entry in entries:
         text = text_of(entry.token_id)
         tokens.append(text)
@@ -342,45 +372,47 @@ def completion_logprobs(
     return body, offset
 
 
-def completion_response(
-    request_id: str,
-    model: str,
-    text: str,
-    reason: str | None,
-    counted: dict[str, Any],
-    logprobs: dict[str, Any] | None = None,
+def completion_choice(
+    index: int, text: str, reason: str | None, logprobs: dict[str, Any] | None = None
 ) -> dict[str, Any]:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason(reason)}
+
+
+def chat_choice(
+    index: int, text: str, reason: str | None, logprobs: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    return {
+        "index": index,
+        "message": {"role": "assistant", "content": text, "refusal": None},
+        "logprobs": logprobs,
+        "finish_reason": finish_reason(reason),
+    }
+
+
+def completion_response(
+    request_id: str, model: str, choices: list[dict[str, Any]], counted: dict[str, Any]
+) -> dict[str, Any]:
+    """A whole answer: `choices` from completion_choice, in index order."""
     return {
         "id": request_id,
         "object": "text_completion",
         "created": now(),
         "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason(reason)}],
+        "choices": choices,
         "usage": counted,
     }
 
 
 def chat_response(
-    request_id: str,
-    model: str,
-    text: str,
-    reason: str | None,
-    counted: dict[str, Any],
-    logprobs: dict[str, Any] | None = None,
+    request_id: str, model: str, choices: list[dict[str, Any]], counted: dict[str, Any]
 ) -> dict[str, Any]:
+    """A whole answer: `choices` from chat_choice, in index order."""
     return {
         "id": request_id,
         "object": "chat.completion",
         "created": now(),
         "model": model,
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": text, "refusal": None},
-                "logprobs": logprobs,
-                "finish_reason": finish_reason(reason),
-            }
-        ],
+        "choices": choices,
         "usage": counted,
     }
 
@@ -407,12 +439,12 @@ class ChunkMaker:
             chunk["usage"] = None
         return chunk
 
-    def role(self) -> dict[str, Any]:
-        """Chat streams open with the assistant role and empty content."""
+    def role(self, index: int = 0) -> dict[str, Any]:
+        """Chat streams open with the assistant role and empty content (per choice)."""
         return self._chunk(
             [
                 {
-                    "index": 0,
+                    "index": index,
                     "delta": {"role": "assistant", "content": ""},
                     "logprobs": None,
                     "finish_reason": None,
@@ -421,19 +453,20 @@ class ChunkMaker:
         )
 
     def text(
-        self, text: str, logprobs: dict[str, Any] | None = None, reason: str | None = None
+        self, text: str, logprobs: dict[str, Any] | None = None, reason: str | None = None, index: int = 0
     ) -> dict[str, Any]:
+        """A chunk of choice `index`: its next text (and logprobs), or its end (`reason`)."""
         choice: dict[str, Any]
         if self.chat:
             delta = {"content": text} if text or reason is None else {}
             choice = {
-                "index": 0,
+                "index": index,
                 "delta": delta,
                 "logprobs": logprobs,
                 "finish_reason": finish_reason(reason),
             }
         else:
-            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason(reason)}
+            choice = completion_choice(index, text, reason, logprobs)
         return self._chunk([choice])
 
     def usage(self, counted: dict[str, Any]) -> dict[str, Any]:

@@ -350,7 +350,10 @@ CAPPED = [
     ("repetition_penalty", _completion(repetition_penalty=limits.MAX_REPETITION_PENALTY + 0.5)),
     ("n", _completion(n=limits.MAX_CHOICES + 1)),
     ("n", _completion(n=0)),
-    ("best_of", _completion(best_of=3)),
+    ("best_of", _completion(best_of=limits.MAX_BEST_OF + 1)),
+    ("best_of", _completion(n=3, best_of=2)),  # best_of is at least n
+    ("n", _completion(prompt=["a"] * 5, n=limits.MAX_SEQUENCES // 4)),  # prompts x n over MAX_SEQUENCES
+    ("prompt", _completion(prompt=["a"] * (limits.MAX_PROMPTS + 1))),
     ("max_tokens", _completion(max_tokens=0)),
     ("max_tokens", _completion(max_tokens=limits.MAX_COMPLETION_TOKENS + 1)),
     ("max_completion_tokens", _completion(max_completion_tokens=5)),  # not a /v1/completions field

@@ -214,8 +214,8 @@ def test_an_unknown_model_is_not_found_without_a_gateway(make_server: ServerFact
 def test_openai_errors(server: Server) -> None:
     sdk = client(server)
     with pytest.raises(openai.BadRequestError) as several:
-        sdk.chat.completions.create(model=BASE, messages=QUESTION, max_tokens=4, n=2)
-    assert "n must be 1, got 2" in several.value.message and several.value.param == "n"
+        sdk.chat.completions.create(model=BASE, messages=QUESTION, max_tokens=4, n=17)
+    assert "n must be between 1 and 16, got 17" in several.value.message and several.value.param == "n"
     context = server.engine.max_model_len
     with pytest.raises(openai.BadRequestError) as too_many:
         sdk.completions.create(model=BASE, prompt="Hello", max_tokens=context)
@@ -230,8 +230,8 @@ def test_openai_errors(server: Server) -> None:
         sdk.completions.create(model=BASE, prompt="Hi", max_tokens=4, presence_penalty=2.5)
     assert "presence_penalty" in penalised.value.message and penalised.value.param == "presence_penalty"
     with pytest.raises(openai.BadRequestError) as batch:
-        sdk.completions.create(model=BASE, prompt=["one", "two"], max_tokens=4)
-    assert "one prompt per request" in batch.value.message
+        sdk.completions.create(model=BASE, prompt=["one"] * 33, max_tokens=4)
+    assert "at most 32" in batch.value.message and batch.value.param == "prompt"
 
 
 def test_error_bodies_are_openai_shaped(server: Server) -> None:

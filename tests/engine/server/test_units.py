@@ -143,22 +143,24 @@ def test_refused_parameters_name_themselves() -> None:
         assert isinstance(cause, limits.LimitExceeded) and cause.param == param
     # Over a cap of limits.py: refused while parsing, the cause naming the field (app.py answers 400).
     with pytest.raises(ValidationError) as capped:
-        protocol.ChatCompletionRequest(**base, n=3)
+        protocol.ChatCompletionRequest(**base, n=limits.MAX_CHOICES + 1)
     cause = capped.value.errors()[0]["ctx"]["error"]
     assert isinstance(cause, limits.LimitExceeded) and cause.param == "n"
 
 
 def test_prompts_and_messages() -> None:
-    def prompt(value: object) -> object:
-        return protocol.CompletionRequest(model="m", prompt=value).single_prompt()
+    def prompts(value: object) -> object:
+        return protocol.CompletionRequest(model="m", prompt=value).prompts()
 
-    assert prompt("hi") == "hi"
-    assert prompt([1, 2]) == [1, 2]
-    assert prompt(["hi"]) == "hi"
-    assert prompt(["12"]) == "12"  # a list of one text stays text
-    assert prompt([[3, 4]]) == [3, 4]
-    with pytest.raises(protocol.OpenAIError, match="one prompt per request"):
-        prompt(["a", "b"])
+    assert prompts("hi") == ["hi"]
+    assert prompts([1, 2]) == [[1, 2]]
+    assert prompts(["hi"]) == ["hi"]
+    assert prompts(["12"]) == ["12"]  # a list of one text stays text
+    assert prompts([[3, 4]]) == [[3, 4]]
+    assert prompts(["a", "b"]) == ["a", "b"]
+    assert prompts([[3], [4, 5]]) == [[3], [4, 5]]
+    with pytest.raises(protocol.OpenAIError, match="prompt is empty"):
+        prompts([])
     chat = protocol.ChatCompletionRequest(
         model="m",
         messages=[
@@ -218,10 +220,11 @@ def test_engine_failures_map_to_the_wire_contract() -> None:
     from loraplex.engine.engine import FailedOutput
     from loraplex.engine.request import RequestOutput
     from loraplex.engine.sampling_params import SamplingParams
-    from loraplex.engine.server.delivery import Job, output_failure
+    from loraplex.engine.server.choices import Job, Prompt
+    from loraplex.engine.server.delivery import output_failure
     from loraplex.wire.errors import AdapterUnavailable, RefusedAdapterError, failure_error
 
-    job = Job(False, "mine", "id:1", [1], SamplingParams(), False, False, wire.TenantRef("t"))
+    job = Job(False, "mine", "id:1", [Prompt([1], SamplingParams())], False, False, wire.TenantRef("t"))
     fields = dict(request_id="r", prompt=None, prompt_token_ids=[1], token_ids=[], text="", finished=True)
 
     def answer(code: str | None) -> protocol.OpenAIError | None:
