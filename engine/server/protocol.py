@@ -116,7 +116,8 @@ class _GenerationRequest(BaseModel):
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
-            logit_bias=self.logit_bias or None,
+            # JSON's keys are strings; checked as token ids (decimal digits) by _bounded_logit_bias.
+            logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
         )
 
     def refuse_unsupported(self) -> None:
