@@ -87,9 +87,10 @@ def _run(command: list[str], what: str) -> None:
 def guidellm_venv() -> ClientVenv:
     # torch first and alone, exactly pinned, so guidellm's bare `torch` requirement finds it installed.
     constraints = ("-c", str(CONSTRAINTS))
-    return ClientVenv(
-        "guidellm", sys._base_executable, ((*constraints, TORCH), (*constraints, GUIDELLM)), "guidellm"
-    )
+    # The interpreter the project's venv was made from (CPython's sys._base_executable), so the CPU torch pin
+    # resolves as it did for the project; sys.executable is the project's venv itself.
+    python = str(getattr(sys, "_base_executable", sys.executable))
+    return ClientVenv("guidellm", python, ((*constraints, TORCH), (*constraints, GUIDELLM)), "guidellm")
 
 
 def inference_perf_venv(python312: str | None = None) -> ClientVenv:
