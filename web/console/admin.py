@@ -12,7 +12,7 @@ from pydantic import ValidationError
 from sqlalchemy import func, select
 
 from ..api.deps import SessionDep
-from ..db.models import Adapter, UserRole
+from ..db.models import AdapterName, UserRole
 from ..schemas import DeploymentCreate, QuotaUpdate, TenantUpdate
 from ..services import console_sessions, deployments, tenants, users
 from ..services.errors import ServiceError
@@ -46,8 +46,9 @@ def admin_home(_: Admin) -> RedirectResponse:
 
 
 def _tenants_page(request: Request, session: SessionDep, status_code: int = 200, **extra: Any) -> Response:
+    # Adapters by name, as max_adapters counts them (an adapter's versions are one adapter).
     adapter_counts = dict(
-        session.execute(select(Adapter.tenant_id, func.count()).group_by(Adapter.tenant_id)).all()
+        session.execute(select(AdapterName.tenant_id, func.count()).group_by(AdapterName.tenant_id)).all()
     )
     user_counts: dict[uuid.UUID, int] = {}
     for user in users.list_users(session):
