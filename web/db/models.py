@@ -188,8 +188,9 @@ class Quota(Base):
 
 
 class StorageUsage(Base):
-    """How many adapters a tenant has and the bytes they take: the counters its storage quotas are
-    enforced on, each change a single conditional UPDATE, so parallel uploads cannot overshoot."""
+    """How many adapters (names) a tenant has and the bytes all their versions take: the counters its
+    storage quotas are enforced on, each change a single conditional UPDATE, so parallel uploads cannot
+    overshoot."""
 
     __tablename__ = "storage_usage"
 
