@@ -86,6 +86,7 @@ class PenaltyStore:
         self.vocab = vocab_size
         self.device = device
         self.owners: list[Request | None] = [None] * _FIRST_SLOTS
+        self.slots: dict[int, int] = {}  # id(request) -> its slot, for each request in `owners`
         slots = _FIRST_SLOTS
         self.history = torch.zeros(slots, _FIRST_COLUMNS, dtype=torch.int64, device=device)
         self.values = torch.zeros(slots, 3, dtype=torch.float32, device=device)  # presence, frequency, rep.
@@ -131,7 +132,7 @@ class PenaltyStore:
 
     def _counts(self, slots: torch.Tensor, positions: torch.Tensor, width: int) -> torch.Tensor:
         """Output token counts [R, V] float32 from the slots' histories, positions [0, position) of each."""
-        history = self.history.index_select(0, slots)[:, :width]  # [R, W]
+        history = self.history[:, :width].index_select(0, slots)  # [R, W]
         columns = torch.arange(width, device=self.device)
         ids = history.masked_fill(columns[None, :] >= positions[:, None], self.vocab)  # column V: dropped
         counts = torch.zeros(len(history), self.vocab + 1, dtype=torch.float32, device=self.device)
@@ -149,12 +150,12 @@ class PenaltyStore:
     def _slot(self, request: Request) -> int:
         """The request's slot, taken and filled on first use (its prompt, its bias, its values, and the
         output tokens the host knows already)."""
-        slot = request.sampling.penalty_slot
-        if slot is not None and slot < len(self.owners) and self.owners[slot] is request:
+        slot = self.slots.get(id(request))  # an id is not reused while `owners` holds the request
+        if slot is not None:
             return slot
         slot = self._free_slot()
         self.owners[slot] = request
-        request.sampling.penalty_slot = slot
+        self.slots[id(request)] = slot
         params = request.params
         values = [params.presence_penalty, params.frequency_penalty, params.repetition_penalty]
         self.values[slot] = torch.tensor(values, dtype=torch.float32).to(self.device)
@@ -170,11 +171,16 @@ class PenaltyStore:
         return slot
 
     def _free_slot(self) -> int:
-        free = [i for i, owner in enumerate(self.owners) if owner is None or owner.finished]
-        if not free:
-            self._grow_slots(2 * len(self.owners))
-            return self._free_slot()
-        return free[0]
+        """A slot no unfinished request holds (the finished ones' are given back here), growing if none."""
+        for slot, owner in enumerate(self.owners):
+            if owner is None:
+                return slot
+            if owner.finished:  # it samples no more: its history is no one's
+                del self.slots[id(owner)]
+                self.owners[slot] = None
+                return slot
+        self._grow_slots(2 * len(self.owners))
+        return self._free_slot()
 
     def _fill_bias(self, slot: int, params: SamplingParams) -> None:
         entries = sorted((params.logit_bias or {}).items())

@@ -65,12 +65,10 @@ class OutputState:
 
 @dataclass
 class SamplingState:
-    """How the request's tokens are drawn: its own RNG (None when greedy), its slot in the sampler's
-    penalty store (engine/penalties.py; None until it is first penalised), and, for next_token_logits,
+    """How the request's tokens are drawn: its own RNG (None when greedy), and, for next_token_logits,
     the last step's logits row kept for the caller."""
 
     generator: torch.Generator | None = None
-    penalty_slot: int | None = None
     keep_logits: bool = False
     last_logits: torch.Tensor | None = None
 

@@ -129,13 +129,20 @@ def test_the_history_counts_pending_tokens_and_a_step_drawn_twice_once() -> None
     assert len(requests[0].output_token_ids) == 12
 
 
-def test_slots_of_finished_requests_are_taken_again() -> None:
+def test_slots_of_finished_requests_are_taken_again_without_their_history() -> None:
     store = PenaltyStore(VOCAB, torch.device("cpu"))
-    logits = torch.zeros(1, VOCAB)
-    params = SamplingParams(temperature=0.0, presence_penalty=1.0)
+    generator = torch.Generator().manual_seed(2)
+    params = SamplingParams(temperature=0.0, frequency_penalty=1.0, presence_penalty=0.5)
     for n in range(20):
         request = make_request([1], [], params, f"r{n}")
-        sample_step(logits, [request], penalties=store).resolve()
+        for _ in range(n % 7):  # each leaves a history of its own length in the slot it gives back
+            logits = torch.randn(1, VOCAB, generator=generator)
+            request.output_token_ids += sample_step(logits, [request], penalties=store).resolve()
+        # Counted: its own tokens only, never the longer history a finished request left in the slot.
+        check = torch.randn(1, VOCAB, generator=generator)
+        changed, _ = store.apply(check, [request], [0])
+        expected = reference_row(check[0].tolist(), [1], request.output_token_ids, params)
+        assert changed[0].tolist() == pytest.approx(expected, rel=1e-5, abs=1e-4), n
         request.status = RequestStatus.FINISHED
     assert len(store.owners) == 4  # never more than the first slots: each finished one was reused
 
