@@ -47,11 +47,11 @@ class _Request(BaseModel):
         min_length=1, max_length=256, pattern=PRINTABLE, description="An adapter of yours, or a base model."
     )
     stream: bool = False
-    max_tokens: int | None = Field(default=None, ge=1, le=gateway.limits.MAX_COMPLETION_TOKENS)
 
 
 class ChatCompletionRequest(_Request):
     messages: list[dict[str, Any]] = Field(min_length=1, max_length=gateway.limits.MAX_CHAT_MESSAGES)
+    max_tokens: int | None = Field(default=None, ge=1, le=gateway.limits.MAX_COMPLETION_TOKENS)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=gateway.limits.MAX_COMPLETION_TOKENS)
 
 
@@ -61,6 +61,8 @@ class CompletionRequest(_Request):
     prompt: StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]] = Field(
         union_mode="left_to_right"
     )
+    # 0 only with echo (the prompt's logprobs alone, as lm-eval asks): the caps (limits.check_numbers) decide.
+    max_tokens: int | None = Field(default=None, ge=0, le=gateway.limits.MAX_COMPLETION_TOKENS)
 
 
 def _documented(model: type[BaseModel]) -> dict[str, Any]:
