@@ -15,6 +15,7 @@ from pydantic import (
     StringConstraints,
     TypeAdapter,
     ValidationError,
+    model_validator,
 )
 
 from .db.models import KeyScope
@@ -22,6 +23,8 @@ from .services.discovery import is_kubernetes_uri, parse_target
 from .services.endpoint_policy import endpoint_problem
 
 Name = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")]
+# A version's weight in a traffic split.
+WeightValue = Annotated[int, Field(ge=0, le=1_000_000)]
 # The longest overlap a rotated key keeps working beside its successor: 30 days.
 MAX_ROTATION_OVERLAP_S = 30 * 24 * 3600
 # Free text stored or looked up: no control characters (Postgres text cannot hold NUL, logs should not).
@@ -240,6 +243,11 @@ class AdapterPublic(Public):
     sha256: str | None
     uploaded_by: str | None = Field(description="The key or console user that uploaded this version.")
     created_at: dt.datetime
+    traffic: dict[str, int] | None = Field(
+        default=None,
+        description="The name's canary split, {version: weight}; null: all go to the active version.",
+    )
+    sticky: bool = Field(default=True, description="Whether a split keeps each `user` on one version.")
 
 
 class AdapterVersionPublic(Public):
@@ -248,6 +256,9 @@ class AdapterVersionPublic(Public):
     id: uuid.UUID
     version: int
     active: bool = Field(description="Whether the bare name addresses this version.")
+    weight: int | None = Field(
+        default=None, description="Its weight in the name's traffic split; null: no split."
+    )
     status: str
     error: str | None
     sha256: str | None = Field(description="The whole adapter's content digest: the version's identity.")
@@ -255,6 +266,30 @@ class AdapterVersionPublic(Public):
     rank: int | None
     uploaded_by: str | None
     created_at: dt.datetime
+
+
+class TrafficSplit(BaseModel):
+    """How the bare name's requests are shared between ready versions, by weight."""
+
+    traffic: dict[Annotated[str, StringConstraints(pattern=r"^[1-9][0-9]{0,8}$")], WeightValue] = Field(
+        min_length=1,
+        max_length=16,
+        description='{"<version>": weight}: e.g. {"1": 90, "2": 10}. Weights are relative (at least one '
+        "above 0).",
+    )
+    sticky: bool = Field(
+        default=True,
+        description="A request carrying OpenAI's `user` always gets the same version while the split stands.",
+    )
+
+    @model_validator(mode="after")
+    def _some_weight(self) -> TrafficSplit:
+        if not any(self.traffic.values()):
+            raise ValueError("at least one version needs a weight above 0")
+        return self
+
+    def versions(self) -> dict[int, int]:
+        return {int(v): w for v, w in self.traffic.items()}
 
 
 class AdapterRollback(BaseModel):
@@ -275,6 +310,10 @@ class StorageUsagePublic(BaseModel):
 class UsageRow(BaseModel):
     day: dt.date
     model: str = Field(description="The adapter (or base model) the requests named.")
+    version: int | None = Field(
+        default=None,
+        description="With by_version: the adapter version that served them (null: the base model).",
+    )
     requests: int
     prompt_tokens: int
     completion_tokens: int

@@ -130,6 +130,11 @@ class AdapterName(Base):
     # The version `model: "<name>"` addresses; None only while the name has no version left to point at.
     active_version: Mapped[int | None]
     last_version: Mapped[int] = mapped_column(default=0)
+    # A canary split of the bare name's requests, {"<version>": weight}; None: all go to the active version
+    # (services/traffic.py).
+    traffic: Mapped[dict[str, int] | None] = mapped_column(JSON)
+    # Whether a request that names its caller (OpenAI's `user`) always gets the same version of the split.
+    sticky: Mapped[bool] = mapped_column(default=True, server_default=true())
 
 
 class Adapter(Base):
@@ -164,6 +169,12 @@ class Adapter(Base):
     created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
 
     deployment: Mapped[Deployment] = relationship()
+    # The name this version belongs to (its active version and traffic split); read-only from here.
+    name_row: Mapped[AdapterName | None] = relationship(
+        primaryjoin="and_(foreign(Adapter.tenant_id) == AdapterName.tenant_id, "
+        "foreign(Adapter.name) == AdapterName.name)",
+        viewonly=True,
+    )
 
 
 class Quota(Base):
@@ -239,6 +250,9 @@ class UsageRecord(Base):
     adapter_id: Mapped[uuid.UUID | None] = mapped_column(ForeignKey("adapters.id", ondelete="SET NULL"))
     # The model the tenant asked for, kept after the adapter is deleted.
     model: Mapped[str] = mapped_column(String(256))
+    # The adapter version that served it (a name's requests may be split between versions); None: the
+    # base model, or a record from before versions.
+    adapter_version: Mapped[int | None]
     endpoint: Mapped[str] = mapped_column(String(64))
     prompt_tokens: Mapped[int] = mapped_column(default=0)
     completion_tokens: Mapped[int] = mapped_column(default=0)

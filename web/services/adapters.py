@@ -86,6 +86,7 @@ class StorageUnavailable(ServiceError):
 
 
 def to_public(adapter: Adapter) -> AdapterPublic:
+    named = adapter.name_row
     return AdapterPublic(
         id=adapter.id,
         name=adapter.name,
@@ -100,14 +101,18 @@ def to_public(adapter: Adapter) -> AdapterPublic:
         sha256=adapter.sha256,
         uploaded_by=adapter.uploaded_by,
         created_at=adapter.created_at,
+        traffic=None if named is None or named.traffic is None else dict(named.traffic),
+        sticky=True if named is None else named.sticky,
     )
 
 
-def to_version(adapter: Adapter, active_version: int | None) -> AdapterVersionPublic:
+def to_version(adapter: Adapter, named: AdapterName | None) -> AdapterVersionPublic:
+    traffic = named.traffic if named is not None else None
     return AdapterVersionPublic(
         id=adapter.id,
         version=adapter.version,
-        active=adapter.version == active_version,
+        active=named is not None and adapter.version == named.active_version,
+        weight=None if traffic is None else traffic.get(str(adapter.version), 0),
         status=adapter.status.value,
         error=adapter.error,
         sha256=adapter.sha256,
@@ -352,12 +357,16 @@ def lock_name(session: Session, tenant_id: uuid.UUID, name: str) -> AdapterName 
         update(AdapterName)
         .where(AdapterName.tenant_id == tenant_id, AdapterName.name == name)
         .values(last_version=AdapterName.last_version)
-        .returning(AdapterName.active_version, AdapterName.last_version)
+        .returning(AdapterName.active_version, AdapterName.last_version, AdapterName.traffic)
     ).first()
     if row is None:
         return None
     return AdapterName(
-        tenant_id=tenant_id, name=name, active_version=row.active_version, last_version=row.last_version
+        tenant_id=tenant_id,
+        name=name,
+        active_version=row.active_version,
+        last_version=row.last_version,
+        traffic=row.traffic,
     )
 
 
@@ -372,7 +381,11 @@ def _lock_name_of(session: Session, adapter_id: uuid.UUID) -> AdapterName | None
         )
         .values(last_version=AdapterName.last_version)
         .returning(
-            AdapterName.tenant_id, AdapterName.name, AdapterName.active_version, AdapterName.last_version
+            AdapterName.tenant_id,
+            AdapterName.name,
+            AdapterName.active_version,
+            AdapterName.last_version,
+            AdapterName.traffic,
         )
         .execution_options(synchronize_session=False)
     ).first()
@@ -383,6 +396,7 @@ def _lock_name_of(session: Session, adapter_id: uuid.UUID) -> AdapterName | None
         name=row.name,
         active_version=row.active_version,
         last_version=row.last_version,
+        traffic=row.traffic,
     )
 
 
@@ -428,8 +442,9 @@ def _claim_storage(
 
 
 def _mark_ready(session: Session, adapter_id: uuid.UUID, manifest: AdapterManifest, uri: str) -> None:
-    """The version is ready, and active: an upload deploys what it uploaded."""
-    _lock_name_of(session, adapter_id)
+    """The version is ready, and active: an upload deploys what it uploaded (unless a canary split holds
+    the name's requests: then they stay where the split sends them, services/traffic.py)."""
+    held = _lock_name_of(session, adapter_id)
     ready = session.execute(
         update(Adapter)
         .where(Adapter.id == adapter_id, Adapter.status == AdapterStatus.VALIDATING)
@@ -445,7 +460,8 @@ def _mark_ready(session: Session, adapter_id: uuid.UUID, manifest: AdapterManife
     if ready is None:
         session.rollback()
         raise Conflict(GONE_WHILE_UPLOADING)
-    _set_active(session, ready.tenant_id, ready.name, ready.version)
+    if held is None or held.traffic is None:
+        _set_active(session, ready.tenant_id, ready.name, ready.version)
     session.commit()
 
 
@@ -557,9 +573,10 @@ def release(
     """Delete one version row and give back what it held (its bytes, its artifact reference; with the
     name's last version, the name and its count), in one transaction. The name's active version becomes
     `activate` when given and still there; a released active version hands over to the newest version
-    left, ready ones first. `give_back_number`: an upload that never became a version frees its number
-    when it is still the last given. `keep_active`: Conflict, and nothing released, if the version is the
-    active one. None if the row was gone already (nothing is given back twice)."""
+    left, ready ones first; a split keeps the name's requests where it sends them. `give_back_number`:
+    an upload that never became a version frees its number when it is still the last given.
+    `keep_active`: Conflict, and nothing released, if the version is the active one or in the split.
+    None if the row was gone already (nothing is given back twice)."""
     held = _lock_name_of(session, adapter_id)
     row = session.execute(
         delete(Adapter)
@@ -576,6 +593,12 @@ def release(
             f"version {row.version} is the active version of adapter {row.name!r}; roll back to another "
             "version first, or delete the adapter"
         )
+    if keep_active and held is not None and str(row.version) in (held.traffic or {}):
+        session.rollback()
+        raise Conflict(
+            f"version {row.version} of adapter {row.name!r} is in its traffic split; change or end the "
+            "split first"
+        )
     left = session.execute(
         select(Adapter.version, Adapter.status)
         .where(Adapter.tenant_id == row.tenant_id, Adapter.name == row.name)
@@ -589,7 +612,7 @@ def release(
         names_released = 1
     elif held is not None:
         versions = {v.version for v in left}
-        if activate is not None and activate in versions:
+        if activate is not None and activate in versions and held.traffic is None:
             _set_active(session, row.tenant_id, row.name, activate)
         elif held.active_version not in versions:
             ready = [v.version for v in left if v.status == AdapterStatus.READY]
@@ -699,7 +722,11 @@ def failed_holdings(session: Session, tenant_id: uuid.UUID) -> int:
 
 
 def _query(tenant_id: uuid.UUID) -> Select[Adapter]:
-    return select(Adapter).where(Adapter.tenant_id == tenant_id).options(selectinload(Adapter.deployment))
+    return (
+        select(Adapter)
+        .where(Adapter.tenant_id == tenant_id)
+        .options(selectinload(Adapter.deployment), selectinload(Adapter.name_row))
+    )
 
 
 def _active(tenant_id: uuid.UUID) -> Select[Adapter]:

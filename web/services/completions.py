@@ -243,7 +243,8 @@ class Gateway:
         except gateway.BadRequest as exc:
             raise bad_request(exc) from None
         model = body["model"]
-        target = await run_in_threadpool(self._resolve, principal, model)
+        caller = body.get("user") if isinstance(body.get("user"), str) else None
+        target = await run_in_threadpool(self._resolve, principal, model, caller)
         if target is None:  # another tenant's adapter reads exactly like a missing one
             missing = f"The model `{model}` does not exist."
             raise Refused(404, wire.WireError(missing, wire.INVALID_REQUEST, wire.MODEL_NOT_FOUND))
@@ -285,9 +286,11 @@ class Gateway:
             await call.finish("client_disconnected", prompt_estimate, 0, False)
             raise
 
-    def _resolve(self, principal: Principal, model: str) -> gateway.Target | gateway.NotServed | None:
+    def _resolve(
+        self, principal: Principal, model: str, caller: str | None = None
+    ) -> gateway.Target | gateway.NotServed | None:
         with self.db.session() as session:
-            return gateway.resolve(session, principal.tenant_id, model)
+            return gateway.resolve(session, principal.tenant_id, model, caller)
 
     async def _forward(
         self,

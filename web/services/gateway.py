@@ -19,6 +19,7 @@ from loraplex.wire import limits
 from ..db.models import Adapter, AdapterName, AdapterStatus, Deployment
 from .adapters import find_adapter, find_version
 from .scopes import KeyLimits
+from .traffic import choose_version, split_salt
 
 # `model: "<adapter>@<version>"` addresses one version of an adapter; adapter names cannot hold "@", and
 # the version is bounded so it always fits the database's integer.
@@ -36,6 +37,7 @@ class Target:
     endpoints: list[str]
     # The adapter's name without a version (what a key's adapter list names); None: the base model.
     adapter_name: str | None = None
+    adapter_version: int | None = None  # which version serves it (usage is recorded per version)
     adapter_id: uuid.UUID | None = None
     adapter_uri: str | None = None
     adapter_sha256: str | None = None
@@ -73,18 +75,27 @@ def split_model(model: str) -> tuple[str, int | None]:
     return versioned["name"], int(versioned["version"])
 
 
-def find_model_adapter(session: Session, tenant_id: uuid.UUID, model: str) -> Adapter | None:
-    """The adapter version `model` addresses: "<name>@<version>" that version, "<name>" the active one."""
+def find_model_adapter(
+    session: Session, tenant_id: uuid.UUID, model: str, caller: str | None = None
+) -> Adapter | None:
+    """The adapter version `model` addresses: "<name>@<version>" that version; "<name>" the version its
+    traffic split gives this request (`caller`: OpenAI's `user`, for a sticky split), else the active one."""
     name, version = split_model(model)
-    if version is None:
-        return find_adapter(session, tenant_id, model)
-    return find_version(session, tenant_id, name, version)
+    if version is not None:
+        return find_version(session, tenant_id, name, version)
+    named = session.get(AdapterName, (tenant_id, model))
+    if named is not None and named.traffic:
+        chosen = choose_version(named.traffic, named.sticky, caller, split_salt(tenant_id, model))
+        return find_version(session, tenant_id, model, chosen)
+    return find_adapter(session, tenant_id, model)
 
 
-def resolve(session: Session, tenant_id: uuid.UUID, model: str) -> Target | NotServed | None:
+def resolve(
+    session: Session, tenant_id: uuid.UUID, model: str, caller: str | None = None
+) -> Target | NotServed | None:
     """This tenant's ready adapter version `model` addresses (NotServed if it is not ready), else a
-    deployment of base model `model`, else None."""
-    adapter = find_model_adapter(session, tenant_id, model)
+    deployment of base model `model`, else None. `caller`: the request's `user`, for a sticky split."""
+    adapter = find_model_adapter(session, tenant_id, model, caller)
     if adapter is not None and adapter.status == AdapterStatus.READY:
         return _adapter_target(adapter, model)
     if adapter is not None:
@@ -103,6 +114,7 @@ def _adapter_target(adapter: Adapter, model: str) -> Target:
         base_model=adapter.deployment.base_model,
         endpoints=list(adapter.deployment.endpoints),
         adapter_name=adapter.name,
+        adapter_version=adapter.version,
         adapter_id=adapter.id,
         adapter_uri=adapter.storage_uri,
         adapter_sha256=adapter.sha256,

@@ -150,6 +150,7 @@ class Call:
                         tenant_id=self.principal.tenant_id,
                         api_key_id=self.principal.key_id,
                         adapter_id=self.target.adapter_id,
+                        adapter_version=self.target.adapter_version,
                         model=self.target.model,
                         endpoint=self.endpoint,
                         prompt_tokens=prompt,

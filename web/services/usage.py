@@ -1,4 +1,5 @@
-"""Usage records, written once per gateway request, and their summary by day and model."""
+"""Usage records, written once per gateway request, and their summary by day, model and the adapter
+version that served it (a name's requests may be split between versions)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import dataclasses
 import datetime as dt
 import uuid
 from dataclasses import dataclass
+from typing import Any
 
 from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
@@ -28,6 +30,7 @@ class Usage:
     exact: bool = True
     latency_ms: int = 0
     status: str = "ok"
+    adapter_version: int | None = None  # the version that served it (None: the base model)
 
 
 def record(session: Session, usage: Usage) -> None:
@@ -41,35 +44,42 @@ def record(session: Session, usage: Usage) -> None:
             raise
         # Its adapter was deleted while the request ran: the usage is still the tenant's, kept under the
         # model name it asked for, as rows written before the delete are (adapter_id SET NULL).
-        record(session, dataclasses.replace(usage, adapter_id=None))
+        record(session, dataclasses.replace(usage, adapter_id=None))  # its version number is kept
 
 
-def summarize(session: Session, tenant_id: uuid.UUID, days: int) -> UsageSummary:
+def summarize(session: Session, tenant_id: uuid.UUID, days: int, by_version: bool = False) -> UsageSummary:
+    """The tenant's usage of the last `days` days by UTC day and requested model; `by_version`: each of
+    those split by the adapter version that served it (a canary split's versions apart)."""
     since = utcnow().date() - dt.timedelta(days=days - 1)
-    rows = session.execute(
+    keys: list[Any] = [UsageRecord.day, UsageRecord.model]
+    if by_version:
+        keys.append(UsageRecord.adapter_version)
+    found = session.execute(
         select(
-            UsageRecord.day,
-            UsageRecord.model,
+            *keys,
             func.count(),
             func.coalesce(func.sum(UsageRecord.prompt_tokens), 0),
             func.coalesce(func.sum(UsageRecord.completion_tokens), 0),
             func.coalesce(func.sum(UsageRecord.cached_tokens), 0),
         )
         .where(UsageRecord.tenant_id == tenant_id, UsageRecord.day >= since)
-        .group_by(UsageRecord.day, UsageRecord.model)
-        .order_by(UsageRecord.day, UsageRecord.model)
+        .group_by(*keys)
+        .order_by(*keys)
     ).all()
-    out = [
-        UsageRow(
-            day=day,
-            model=model,
-            requests=n,
-            prompt_tokens=int(p),
-            completion_tokens=int(c),
-            cached_tokens=int(k),
+    out = []
+    for row in found:
+        day, model, *version, n, p, c, k = row
+        out.append(
+            UsageRow(
+                day=day,
+                model=model,
+                version=version[0] if version else None,
+                requests=n,
+                prompt_tokens=int(p),
+                completion_tokens=int(c),
+                cached_tokens=int(k),
+            )
         )
-        for day, model, n, p, c, k in rows
-    ]
     return UsageSummary(
         since=since,
         rows=out,

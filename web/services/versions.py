@@ -18,8 +18,8 @@ from .errors import Conflict, NotFound
 
 def list_versions(session: Session, tenant_id: uuid.UUID, name: str) -> list[AdapterVersionPublic]:
     """Every version of the tenant's adapter `name`, oldest first, the active one marked."""
-    active = session.scalar(
-        select(AdapterName.active_version).where(AdapterName.tenant_id == tenant_id, AdapterName.name == name)
+    named = session.scalar(
+        select(AdapterName).where(AdapterName.tenant_id == tenant_id, AdapterName.name == name)
     )
     rows = list(
         session.scalars(
@@ -30,13 +30,14 @@ def list_versions(session: Session, tenant_id: uuid.UUID, name: str) -> list[Ada
     )
     if not rows:  # another tenant's adapter is as absent as a missing one
         raise NotFound(f"no adapter named {name!r}")
-    return [to_version(row, active) for row in rows]
+    return [to_version(row, named) for row in rows]
 
 
 def rollback(session: Session, tenant_id: uuid.UUID, name: str, version: int | None = None) -> AdapterPublic:
     """Make `version` the one the bare name addresses (None: the newest ready version older than the
-    active one). Only a ready version can be made active. Requests already running finish on the version
-    they started with; the next ones take the new one."""
+    active one), ending any traffic split: it takes every request. Only a ready version can be made
+    active. Requests already running finish on the version they started with; the next ones take the
+    new one."""
     held = lock_name(session, tenant_id, name)
     if held is None:
         session.rollback()
@@ -64,7 +65,7 @@ def rollback(session: Session, tenant_id: uuid.UUID, name: str, version: int | N
     session.execute(
         update(AdapterName)
         .where(AdapterName.tenant_id == tenant_id, AdapterName.name == name)
-        .values(active_version=version)
+        .values(active_version=version, traffic=None)
     )
     session.commit()
     return get_version(session, tenant_id, name, version)
@@ -73,7 +74,8 @@ def rollback(session: Session, tenant_id: uuid.UUID, name: str, version: int | N
 def delete_version(
     session: Session, tenant_id: uuid.UUID, name: str, version: int, store: ArtifactStore | None = None
 ) -> None:
-    """Delete one version that is not active, then its artifact from `store` if nothing else uses it."""
+    """Delete one version that is not active nor in a traffic split, then its artifact from `store` if
+    nothing else uses it."""
     adapter_id = session.scalar(
         select(Adapter.id).where(
             Adapter.tenant_id == tenant_id, Adapter.name == name, Adapter.version == version

@@ -10,8 +10,8 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import StringConstraints, TypeAdapter, ValidationError
 from starlette.concurrency import run_in_threadpool
 
-from ...schemas import PRINTABLE, AdapterPublic, AdapterRollback, AdapterVersionPublic, Name
-from ...services import adapters, engine_sync, multipart, scopes, upload_quota, versions
+from ...schemas import PRINTABLE, AdapterPublic, AdapterRollback, AdapterVersionPublic, Name, TrafficSplit
+from ...services import adapters, engine_sync, multipart, scopes, traffic, upload_quota, versions
 from ..deps import Manager, Reader, SessionDep, SettingsDep
 
 router = APIRouter(prefix="/api/v1/adapters", tags=["adapters"])
@@ -173,3 +173,19 @@ def rollback(
     """Make a ready version the active one: `version`, or the newest ready one before the active."""
     scopes.require_adapter(principal.limits, name)
     return versions.rollback(session, principal.tenant_id, name, body.version)
+
+
+@router.put("/{name}/traffic", responses={409: {"description": "a version of the split is not ready"}})
+def set_traffic(
+    name: AdapterName, body: TrafficSplit, session: SessionDep, principal: Manager
+) -> AdapterPublic:
+    """Share the name's requests between ready versions by weight (a canary), e.g. {"1": 90, "2": 10}."""
+    scopes.require_adapter(principal.limits, name)
+    return traffic.set_traffic(session, principal.tenant_id, name, body.versions(), body.sticky)
+
+
+@router.delete("/{name}/traffic")
+def clear_traffic(name: AdapterName, session: SessionDep, principal: Manager) -> AdapterPublic:
+    """End the split: every request for the name goes to its active version again."""
+    scopes.require_adapter(principal.limits, name)
+    return traffic.clear_traffic(session, principal.tenant_id, name)

@@ -18,5 +18,8 @@ def get_usage(
     session: SessionDep,
     principal: Reader,
     days: Annotated[int, Query(ge=1, le=366, description="How many days back, today included.")] = 30,
+    by_version: Annotated[
+        bool, Query(description="Split each day and model by the adapter version that served it.")
+    ] = False,
 ) -> UsageSummary:
-    return usage.summarize(session, principal.tenant_id, days)
+    return usage.summarize(session, principal.tenant_id, days, by_version)
