@@ -9,6 +9,7 @@ from . import (
     clients,
     cluster,
     fairness,
+    grammar,
     kernels,
     lora,
     lora_tables,
@@ -47,6 +48,9 @@ def main() -> int:
     )
     clients.add_arguments(
         commands.add_parser("clients", help="guidellm and inference-perf against loraplex up (issue 27)")
+    )
+    grammar.add_arguments(
+        commands.add_parser("grammar", help="structured decoding's mask cost per token (issue 27)")
     )
     args = parser.parse_args()
     return int(args.run(args))
