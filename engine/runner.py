@@ -120,7 +120,7 @@ class ModelRunner:
         `feed`: the step in flight, whose sampled tokens are this step's pending ids. The padding rows of
         a graph-ready step are computed with the rest and dropped here (views)."""
         scored = [scored_rows(chunk) for chunk in chunks]
-        batch = self.build(chunks, scored if any(scored) else None)
+        batch = self.build(chunks, scored) if any(scored) else self.build(chunks)
         if feed is not None:
             self._feed(batch.input_ids, chunks, feed)
         logits = self.execute(batch)  # [S + padding + P, vocab]
