@@ -198,8 +198,8 @@ class CompletionRequest(_GenerationRequest):
         if not prompt:
             raise bad_request("prompt is empty", "prompt")
         if isinstance(prompt[0], int):
-            return [[int(t) for t in prompt]]  # type: ignore[union-attr]
-        return [p if isinstance(p, str) else [int(t) for t in p] for p in prompt]  # type: ignore[union-attr]
+            return [[int(t) for t in prompt]]
+        return [p if isinstance(p, str) else [int(t) for t in p] for p in prompt]
 
 
 class ChatMessage(BaseModel):
