@@ -154,8 +154,16 @@ class PenaltyStore:
         if slot is not None:
             return slot
         slot = self._free_slot()
+        self._fill(slot, request)
+        # Taken only once filled: a request whose values cannot be kept (a value past every check that
+        # overflows float32) raises here again each time it is tried, as the fault guard's retry of its
+        # row alone needs to find it.
         self.owners[slot] = request
         self.slots[id(request)] = slot
+        return slot
+
+    def _fill(self, slot: int, request: Request) -> None:
+        """Write the request's penalty values, bias, prompt mask and known output tokens into `slot`."""
         params = request.params
         values = [params.presence_penalty, params.frequency_penalty, params.repetition_penalty]
         self.values[slot] = torch.tensor(values, dtype=torch.float32).to(self.device)
@@ -168,7 +176,6 @@ class PenaltyStore:
         if known and _needs_history(params):
             self._reserve_columns(len(known))
             self.history[slot, : len(known)] = torch.tensor(known, dtype=torch.int64).to(self.device)
-        return slot
 
     def _free_slot(self) -> int:
         """A slot no unfinished request holds (the finished ones' are given back here), growing if none."""

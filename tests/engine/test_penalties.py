@@ -147,6 +147,19 @@ def test_slots_of_finished_requests_are_taken_again_without_their_history() -> N
     assert len(store.owners) == 4  # never more than the first slots: each finished one was reused
 
 
+def test_a_row_whose_values_cannot_be_kept_fails_each_time_it_is_tried() -> None:
+    """A value past every check (set after SamplingParams checked it) raises whenever its row is sampled,
+    not only the first time: the fault guard tries a failed step's rows alone to find which one failed."""
+    store = PenaltyStore(VOCAB, torch.device("cpu"))
+    hostile = SamplingParams(temperature=0.0, presence_penalty=1.0)
+    object.__setattr__(hostile, "presence_penalty", 10**400)
+    request = make_request([1], [], hostile)
+    for _ in range(2):
+        with pytest.raises(OverflowError):
+            sample_step(torch.zeros(1, VOCAB), [request], penalties=store)
+    assert store.slots == {}  # nothing taken
+
+
 def test_parameters_are_bounded_by_the_shared_limits() -> None:
     for field, value in [
         ("presence_penalty", 2.5),
