@@ -398,15 +398,22 @@ def assert_only_attackers_failed(
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("top_k", 10**400), ("logprobs", 10**6), ("logprobs", 0.5), ("temperature", float("nan"))],
-    ids=["top_k-10**400", "logprobs-10**6", "logprobs-0.5", "temperature-nan-greedy"],
-)
+    [
+        ("top_k", 10**400), ("logprobs", 10**6), ("logprobs", 0.5), ("temperature", float("nan")),
+        ("presence_penalty", 10**400), ("repetition_penalty", -(10**400)),
+    ],
+    ids=[
+        "top_k-10**400", "logprobs-10**6", "logprobs-0.5", "temperature-nan-greedy", "presence-10**400",
+        "repetition--10**400",
+    ],
+)  # fmt: skip
 def test_a_row_that_cannot_be_sampled_ends_only_its_request(
     benches: dict[str, Bench], path: str, field: str, value: float
 ) -> None:
-    """Values the sampler cannot take, set past every check (10**400 overflows float32, a logprob count
-    past the vocabulary or not an integer fails topk, a greedy request made to sample has no seed): the
-    attacker ends with engine_error saying sampling failed, the victim beside it gets its tokens alone."""
+    """Values the sampler cannot take, set past every check (10**400 overflows float32, a penalty's too,
+    a logprob count past the vocabulary or not an integer fails topk, a greedy request made to sample has
+    no seed): the attacker ends with engine_error saying sampling failed, the victim beside it gets its
+    tokens alone."""
     bench = benches[path]
     greedy = field == "temperature"  # made to sample after it was queued greedy, without a generator
     params = SamplingParams(max_tokens=6, temperature=0.0 if greedy else 0.8, seed=3)
