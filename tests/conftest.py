@@ -71,22 +71,19 @@ def engine_factory(smollm2):
 
 @pytest.fixture(scope="session")
 def hf_smollm2():
-    """The same GGUF loaded by transformers: the parity reference."""
+    """The same GGUF loaded by transformers: the parity reference (tests/hf_reference.py)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    from loraplex.engine.model.loader import default_model_path
+    from tests.hf_reference import hf_smollm2_dir
 
-    path = default_model_path()
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-    return model.eval()
+    return AutoModelForCausalLM.from_pretrained(hf_smollm2_dir(), dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="session")
 def hf_tokenizer():
     from transformers import AutoTokenizer
 
-    from loraplex.engine.model.loader import default_model_path
+    from tests.hf_reference import hf_smollm2_dir
 
-    path = default_model_path()
-    return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    return AutoTokenizer.from_pretrained(hf_smollm2_dir())

@@ -52,11 +52,11 @@ def replies() -> tuple[list[str], list[str]]:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from loraplex.engine.model.loader import default_model_path
+    from tests.hf_reference import hf_smollm2_dir
 
-    path = default_model_path()
-    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, padding_side="left")
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    reference = hf_smollm2_dir()  # transformers' reading of the GGUF
+    tokenizer = AutoTokenizer.from_pretrained(reference, padding_side="left")
+    model = AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32)
     texts = [
         tokenizer.apply_chat_template(
             [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False

@@ -40,10 +40,9 @@ def peft_model(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-unt
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from loraplex.engine.model.loader import default_model_path
+    from tests.hf_reference import hf_smollm2_dir
 
-    path = default_model_path()
-    base = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(hf_smollm2_dir(), dtype=torch.float32)
     names = list(ADAPTERS)
     model = get_peft_model(base, LoraConfig(**ADAPTERS[names[0]]), adapter_name=names[0])
     for name in names[1:]:
