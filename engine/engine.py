@@ -38,6 +38,7 @@ from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
 from .fairness import FairQueue, FirstComeQueue, VirtualTokenCounter
 from .fault_guard import FaultGuard
+from .grammar import Grammar, GrammarCache
 from .graphs import CudaGraphBackend, DecodeGraphs
 from .kv_cache import KVCache, page_bytes
 from .lora.loader import AdapterLoader, LoadFailed, LoadFailure
@@ -184,6 +185,10 @@ class LLMEngine:
         self._deferred: dict[str, list[Request]] = {}
         self._arrivals = itertools.count()
         self._seeds = torch.Generator().manual_seed(config.seed)
+        # Structured outputs' compiled grammars, by schema digest (built on the first such request).
+        self.grammars = (
+            GrammarCache(self.tokenizer, model_config.vocab_size, eos) if self.tokenizer is not None else None
+        )
         log.info(
             "engine ready: %s, %s, quantization %s, weights %.1f MiB, %d pages of %d tokens (%.1f MiB), "
             "max_model_len %d",
@@ -326,6 +331,7 @@ class LLMEngine:
                 else int(torch.randint(2**62, (1,), generator=self._seeds))
             )
             generator = torch.Generator().manual_seed(seed)
+        grammar = self._grammar(params)
         detokenizer = IncrementalDetokenizer(self.tokenizer.decode, ids) if self.tokenizer else None
         output = OutputState(prompt=text, detokenizer=detokenizer)
         if prompt_logprobs is not None:
@@ -340,7 +346,7 @@ class LLMEngine:
             tenant_weight=tenant_weight,
             prompt_logprobs=prompt_logprobs,
             output=output,
-            sampling=SamplingState(generator=generator),
+            sampling=SamplingState(generator=generator, grammar=grammar),
         )
         self._requests[request_id] = request
         leader = self._prompt_leader(request, shares_prompt_with)
@@ -352,6 +358,16 @@ class LLMEngine:
         if adapter is not None and len(self.scheduler.waiting) <= self.config.adapter_prefetch_depth:
             self.loader.prefetch([adapter])
         return request_id
+
+    def _grammar(self, params: SamplingParams) -> Grammar | None:
+        """The request's grammar (None: free text); LimitExceeded naming the field if it cannot compile."""
+        if params.structured is None:
+            return None
+        if self.grammars is None:
+            raise LimitExceeded(
+                params.structured.param, "this model has no tokenizer to build a grammar over"
+            )
+        return self.grammars.grammar(params.structured)
 
     def _prompt_leader(self, request: Request, leader_id: str | None) -> str | None:
         """The request whose prompt `request` should wait for (None: start now). Waiting pays off only
@@ -507,10 +523,26 @@ class LLMEngine:
         read step n's sampled ids on the device), runs the host work that needs no token (adapter
         prefetch), and only then lands step n; step n+1 stays in flight until the next call. Outputs
         are those of the plain loop, one call later."""
-        outputs = self._step_pipelined() if self._overlap else self._step_plain()
+        if self._overlap and not self._constrained():
+            outputs = self._step_pipelined()
+        else:
+            outputs = self._settle() + self._step_plain()
         if self._deferred:
             self._release_deferred(outputs)
         return outputs
+
+    def _constrained(self) -> bool:
+        """Whether a queued request has a grammar. Its next mask needs its last token on the host, which a
+        pipelined step is planned without: such steps run the plain way (the simplest correct rule)."""
+        queued = itertools.chain(self.scheduler.running, self.scheduler.waiting)
+        return any(request.sampling.grammar is not None for request in queued)
+
+    def _settle(self) -> list[RequestOutput]:
+        """Land the step in flight, if any (pipelining stops): no token is pending after this."""
+        flight, self._in_flight = self._in_flight, None
+        if flight is None:
+            return []
+        return self._land(flight, successor=None)[0]
 
     def _step_plain(self) -> list[RequestOutput]:
         plan, outputs = self._load(self.scheduler.schedule())

@@ -18,6 +18,8 @@ from .sampling_params import SamplingParams
 if TYPE_CHECKING:  # the scheduler imports this module and must stay free of torch
     import torch
 
+    from .grammar import Grammar
+
 
 @dataclass(frozen=True)
 class TokenLogprob:
@@ -65,10 +67,11 @@ class OutputState:
 
 @dataclass
 class SamplingState:
-    """How the request's tokens are drawn: its own RNG (None when greedy), and, for next_token_logits,
-    the last step's logits row kept for the caller."""
+    """How the request's tokens are drawn: its own RNG (None when greedy), its grammar (structured
+    outputs; None: free text), and, for next_token_logits, the last step's logits row kept for the caller."""
 
     generator: torch.Generator | None = None
+    grammar: Grammar | None = None
     keep_logits: bool = False
     last_logits: torch.Tensor | None = None
 

@@ -1,7 +1,8 @@
 """Next-token choice for a whole step at once, on the logits' own device.
 
 One pass over the step's rows: the rows with penalties or a logit bias have their logits changed first
-(engine/penalties.py; a step without such rows skips it), then greedy rows take the argmax; the others go
+(engine/penalties.py; a step without such rows skips it), the rows with a grammar have the tokens it
+forbids masked (engine/grammar.py; likewise), then greedy rows take the argmax; the others go
 through temperature, top-k, top-p and min-p as masks over the batch, then inverse-CDF sampling with one
 uniform number per row.
 That number comes from a counter-based hash of (the request's seed, its output position), computed on
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .grammar import mask_rows
 from .penalties import PenaltyStore
 from .request import Request, TokenLogprob
 
@@ -192,6 +194,9 @@ def sample_step(
     if penalised:
         store = penalties or PenaltyStore(logits.shape[-1], logits.device)
         chooser, recorded = store.apply(logits, requests, penalised)
+    constrained = [i for i, r in enumerate(requests) if r.sampling.grammar is not None]
+    if constrained:  # after penalties and bias: the grammar has the last word on what may come next
+        chooser = mask_rows(chooser, requests, constrained)
     sampled = [i for i, r in enumerate(requests) if not r.params.greedy]
     # Greedy rows take the argmax; a step with none skips that pass.
     greedy = chooser.argmax(dim=-1) if not sampled or len(sampled) < len(requests) else None  # [S]

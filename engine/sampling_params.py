@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 from loraplex.wire import limits
 
+from .structured_output import StructuredOutput
+
 # Where the engine's range differs from the wire's: top_k -1 (no limit) is mapped to 0 before a
 # SamplingParams is made.
 _TOP_K = limits.Range(0, limits.MAX_TOP_K, integer=True)
@@ -31,6 +33,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: Mapping[int, float] | None = None
+    # Structured outputs: the output follows this JSON schema (engine/grammar.py masks the tokens that
+    # would break it), made by StructuredOutput.of, which bounds it. None: free text.
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         """Every number in the range of wire/limits.py (the bounds the HTTP API checks first), so
@@ -62,6 +67,8 @@ class SamplingParams:
             # A copy with integer keys (OpenAI's JSON keys are strings), so no caller changes it later.
             bias = {int(k): float(v) for k, v in self.logit_bias.items()}
             object.__setattr__(self, "logit_bias", bias or None)
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            raise limits.LimitExceeded("response_format", "structured must be a StructuredOutput")
 
     @property
     def greedy(self) -> bool:

@@ -23,11 +23,19 @@ class StopChecker:
         """Append `token` (detokenizing it unless it ends the sequence); the finish reason, if it ends."""
         params, output = request.params, request.output
         request.output_token_ids.append(token)
+        grammar = request.sampling.grammar
+        # The grammar follows the landed tokens only (never a pending one), so a preempted or rolled-back
+        # request's grammar is where its output is. Its mask allowed this token: a refusal is a bug.
+        if grammar is not None and not grammar.accept(token):
+            output.error = f"token {token} broke the request's grammar"
+            return "error"
         checked = len(output.text)
         eos = token in self.eos_token_ids
         if output.detokenizer is not None and not eos:
             output.detokenizer.add(token)
         if eos and not params.ignore_eos:
+            return "stop"
+        if grammar is not None and grammar.complete:  # the JSON ended (ignore_eos too: nothing may follow)
             return "stop"
         if token in params.stop_token_ids:
             output.stop_reason = token

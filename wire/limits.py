@@ -13,6 +13,7 @@ so the control plane can import it without the engine's dependencies.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -271,3 +272,97 @@ def check_choices(prompts: int, n: object, best_of: object = None) -> None:
             f"{prompts} prompt(s) x {sequences} sequences each is {prompts * sequences} sequences; at most "
             f"{MAX_SEQUENCES} are allowed per request",
         )
+
+
+# Structured outputs. A JSON schema (response_format's, or a tool's parameters) is compiled into a grammar
+# whose build time and memory grow with it, and tools are written into the prompt: both are bounded by
+# their JSON size. A schema nested deeper than MAX_SCHEMA_DEPTH is refused before anything walks it.
+MAX_SCHEMA_BYTES = 32 * 1024
+MAX_SCHEMA_DEPTH = 32
+MAX_TOOLS = 64
+MAX_TOOL_NAME_CHARS = 64  # OpenAI's: a-z, A-Z, 0-9, underscores and dashes
+RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+TOOL_CHOICES = ("none", "auto", "required")
+
+
+def _json_bytes(value: object) -> int:
+    return len(json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode())
+
+
+def _depth(value: object, limit: int) -> int:
+    """Nesting depth of a JSON value, counted only up to limit + 1 (no deeper walk)."""
+    if limit < 0 or not isinstance(value, dict | list):
+        return 0
+    children = value.values() if isinstance(value, dict) else value
+    return 1 + max((_depth(child, limit - 1) for child in children), default=0)
+
+
+def check_schema(param: str, schema: object) -> None:
+    """A JSON schema a tenant sent: an object of at most MAX_SCHEMA_BYTES and MAX_SCHEMA_DEPTH levels.
+    Whether it compiles is the engine's question (a 400 naming the same field)."""
+    if not isinstance(schema, dict):
+        raise LimitExceeded(param, f"{param} must be a JSON schema object")
+    if _depth(schema, MAX_SCHEMA_DEPTH) > MAX_SCHEMA_DEPTH:
+        raise LimitExceeded(param, f"{param} is nested more than {MAX_SCHEMA_DEPTH} levels deep")
+    size = _json_bytes(schema)
+    if size > MAX_SCHEMA_BYTES:
+        raise LimitExceeded(param, f"{param} is {size} bytes of JSON; at most {MAX_SCHEMA_BYTES} are allowed")
+
+
+def check_response_format(value: object) -> None:
+    """OpenAI's response_format: {"type": "text" | "json_object"} or {"type": "json_schema",
+    "json_schema": {"name", "schema", "strict"}}, its schema bounded by check_schema."""
+    if value is None:
+        return
+    if not isinstance(value, dict) or value.get("type") not in RESPONSE_FORMATS:
+        raise LimitExceeded(
+            "response_format", "response_format.type must be one of " + ", ".join(RESPONSE_FORMATS)
+        )
+    if value["type"] != "json_schema":
+        return
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("name", ""), str):
+        raise LimitExceeded("response_format.json_schema", "response_format.json_schema must be an object")
+    if not isinstance(spec.get("strict", False), bool | None):
+        raise LimitExceeded("response_format.json_schema.strict", "strict must be true or false")
+    check_schema("response_format.json_schema.schema", spec.get("schema", {}))
+
+
+def check_tools(tools: object, tool_choice: object = None) -> None:
+    """Chat's `tools` (function tools only: at most MAX_TOOLS, each a name and a parameters schema bounded
+    by check_schema) and `tool_choice` ("none", "auto", "required", or {"type": "function", "function":
+    {"name"}} naming one of them)."""
+    names: list[str] = []
+    if tools is not None:
+        if not isinstance(tools, list):
+            raise LimitExceeded("tools", "tools must be a list of function tools")
+        if len(tools) > MAX_TOOLS:
+            raise LimitExceeded("tools", f"tools has {len(tools)} entries; at most {MAX_TOOLS} are allowed")
+        for i, tool in enumerate(tools):
+            function = tool.get("function") if isinstance(tool, dict) else None
+            if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(function, dict):
+                raise LimitExceeded(
+                    f"tools[{i}]", f"tools[{i}] must be {{'type': 'function', 'function': {{...}}}}"
+                )
+            name = function.get("name")
+            if not isinstance(name, str) or not 0 < len(name) <= MAX_TOOL_NAME_CHARS:
+                raise LimitExceeded(
+                    f"tools[{i}].function.name", f"a tool's name is 1 to {MAX_TOOL_NAME_CHARS} characters"
+                )
+            if not isinstance(function.get("description", ""), str | None):
+                raise LimitExceeded(f"tools[{i}].function.description", "a tool's description is a string")
+            check_schema(f"tools[{i}].function.parameters", function.get("parameters", {}))
+            names.append(name)
+        if _json_bytes(tools) > MAX_SCHEMA_BYTES * 2:
+            raise LimitExceeded("tools", f"tools are more than {MAX_SCHEMA_BYTES * 2} bytes of JSON")
+    if tool_choice is None or tool_choice in TOOL_CHOICES:
+        return
+    function = tool_choice.get("function") if isinstance(tool_choice, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
+    if not isinstance(name, str):
+        raise LimitExceeded(
+            "tool_choice",
+            "tool_choice must be none, auto, required or {'type': 'function', 'function': {'name'}}",
+        )
+    if name not in names:
+        raise LimitExceeded("tool_choice", f"tool_choice names {name[:64]!r}, which is not among the tools")
