@@ -9,7 +9,10 @@ from loraplex.engine import EngineConfig, LLMEngine, SamplingParams
 
 from .parity_prompts import parity_prompt_ids
 
-NEW_TOKENS = 40
+NEW_TOKENS = 24
+# One at a time (no batching, no preemption): short and long chat, French, the shortest plain, the longest
+# (369 tokens) and Japanese.
+ALONE = (0, 7, 9, 10, 16, 17)
 pytestmark = pytest.mark.slow
 
 
@@ -58,14 +61,14 @@ def test_last_position_logits_match(smollm2, prompts, reference) -> None:
 def test_greedy_tokens_match_one_at_a_time(smollm2, prompts, reference) -> None:
     engine = engine_for(smollm2)
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
-    for ids, ref in zip(prompts, reference, strict=True):
-        (output,) = engine.generate([ids], params)
-        assert output.token_ids == ref["tokens"]
+    for i in ALONE:
+        (output,) = engine.generate([prompts[i]], params)
+        assert output.token_ids == reference[i]["tokens"], i
     assert engine.pool.pages_by_kind()["kv"] == 0
 
 
 def test_greedy_tokens_match_concurrently_under_preemption(smollm2, prompts, reference) -> None:
-    # The longest prompt plus its output needs 28 pages of 16; 40 pages cannot hold all 20 requests,
+    # The longest prompt plus its output needs 25 pages of 16; 40 pages cannot hold all 20 requests,
     # and a 96-token step budget forces chunked prefill of every longer prompt.
     engine = engine_for(smollm2, num_pages=40, page_size=16, max_batch_tokens=96, max_num_seqs=20)
     preemptions = 0
