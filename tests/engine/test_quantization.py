@@ -321,8 +321,9 @@ def dequantized_copy(model: LlamaModel) -> LlamaModel:
 @pytest.fixture(scope="module", params=["int8", "int4"])
 def quantized_smollm2(request: pytest.FixtureRequest):
     loaded = load_model(None, torch.float32, "cpu", quantization=request.param)
-    # Every decode step (up to 20 sequences) on the weight-only kernels, the path furthest from the dense
-    # reference, whatever start-up measured; prefill chunks on the dense copy (the kernels are slow there).
+    # Every decode step (12 sequences at most here) on the weight-only kernels, the path furthest from the
+    # dense reference, whatever start-up measured; prefill chunks on the dense copy (the kernels are slow
+    # there).
     for w in quantized_weights(loaded.model):
         apply_crossover(w, DECODE_TOKENS, torch.float32)
     return loaded
@@ -334,7 +335,7 @@ def test_greedy_tokens_equal_the_dequantized_reference(quantized_smollm2) -> Non
     reference = copy.copy(loaded)
     reference.model = dequantized_copy(loaded.model)
     reference.quantization = "none"
-    prompts = parity_prompt_ids(loaded.tokenizer)
+    prompts = parity_prompt_ids(loaded.tokenizer)[::2]  # chat and plain, 5 to 369 tokens
     params = SamplingParams(max_tokens=FIDELITY_TOKENS, temperature=0.0)
     config = {"device": "cpu", "dtype": "float32", "num_pages": 512, "max_num_seqs": 20}
     ours = LLMEngine(EngineConfig(quantization=loaded.quantization, **config), loaded=loaded)
@@ -352,7 +353,7 @@ def test_greedy_tokens_equal_the_dequantized_reference(quantized_smollm2) -> Non
         assert 0 <= margin < TIE * float(logits.abs().max()), (
             f"prompt {i} differs at token {at}: {a[at]} vs the reference's {b[at]}, margin {margin}"
         )
-    assert sum(a != b for a, b in zip(got, want, strict=True)) <= 2, "more than 2 of 20 prompts differ"
+    assert sum(a != b for a, b in zip(got, want, strict=True)) <= 1, "more than 1 of 10 prompts differ"
 
 
 @pytest.mark.slow
