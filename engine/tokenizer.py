@@ -68,9 +68,13 @@ class Tokenizer:
         return str(self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens))
 
     def apply_chat_template(
-        self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: Sequence[dict[str, Any]] | None = None,
     ) -> str:
-        """The prompt text for a conversation, rendered with the model's own template."""
+        """The prompt text for a conversation, rendered with the model's own template (`tools`: OpenAI's
+        tool objects, for a template with a tools section; others never read them)."""
         if not self.chat_template:
             raise TokenizerError("this model has no chat template; send a plain prompt instead of messages")
         for i, message in enumerate(messages):
@@ -82,14 +86,18 @@ class Tokenizer:
             add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",
+            tools=list(tools) if tools else None,
         )
 
     def encode_chat(
-        self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: Sequence[dict[str, Any]] | None = None,
     ) -> list[int]:
         # The template writes any BOS itself, so none is added again (as Hugging Face does).
         return self.encode(
-            self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False
+            self.apply_chat_template(messages, add_generation_prompt, tools), add_special_tokens=False
         )
 
     @classmethod

@@ -61,6 +61,7 @@ from .metrics import ServerMetrics, TenantLabels, tenant_label_key
 from .protocol import bad_request
 from .registrar import ArtifactFetcher, Registrar
 from .settings import ServerSettings
+from .tools import template_has_tools
 from .trust import InternalTokenGate, TrustGate
 
 if TYPE_CHECKING:
@@ -292,7 +293,7 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
         if tokenizer is None:
             raise bad_request("this model has no tokenizer, so it has no chat template", "messages")
         try:
-            ids = await asyncio.to_thread(tokenizer.encode_chat, body.template_messages())
+            ids = await asyncio.to_thread(tokenizer.encode_chat, *chat_prompt(body, tokenizer.chat_template))
         except OpenAIError:
             raise
         except Exception as exc:  # the template refused the conversation, or the tokenizer did
@@ -301,9 +302,21 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
         n = body.choices_per_prompt
         job = Job(
             True, body.model, adapter, [Prompt(ids, params)], body.stream, body.include_usage, caller.tenant,
-            n=n, best_of=n, logprobs=body.logprobs_wanted,
+            n=n, best_of=n, logprobs=body.logprobs_wanted, tools=body.tool_calls,
         )  # fmt: skip
         return await _run(state, job, request)
+
+
+def chat_prompt(
+    body: protocol.ChatCompletionRequest, template: str | None
+) -> tuple[list[dict[str, Any]], bool, list[dict[str, Any]] | None]:
+    """encode_chat's arguments: the conversation, with the tools offered (engine/server/tools.py) in the
+    template's own tools section when it has one, else in the generic format's system message."""
+    calls = body.tool_calls
+    if calls is None:
+        return body.template_messages(), True, None
+    native = template_has_tools(template)
+    return calls.template_messages(body.messages, native), True, calls.template_tools() if native else None
 
 
 async def _completion_prompt(

@@ -32,6 +32,8 @@ if TYPE_CHECKING:
     from loraplex.engine.request import RequestOutput, TokenLogprob
     from loraplex.engine.sampling_params import SamplingParams
 
+    from .tools import ToolCalls
+
 
 @dataclass(frozen=True)
 class Prompt:
@@ -58,6 +60,7 @@ class Job:
     logprobs: int | None = None  # what the client asked for: None reports none
     echo: bool = False
     echo_only: bool = False  # echo with max_tokens 0: the generated token is dropped
+    tools: ToolCalls | None = None  # chat's tools offered: replies read back as tool calls (tools.py)
 
     @property
     def num_sequences(self) -> int:
@@ -105,7 +108,8 @@ class ChoiceText:
     def whole(self, output: RequestOutput) -> dict[str, Any]:
         text, logprobs = self._delta(output)
         build = protocol.chat_choice if self.job.chat else protocol.completion_choice
-        return build(self.index, text, self.finish_reason(output), logprobs)
+        choice = build(self.index, text, self.finish_reason(output), logprobs)
+        return choice if self.job.tools is None else self.job.tools.reply(choice)
 
     def delta(self, output: RequestOutput) -> tuple[str, dict[str, Any] | None]:
         """The text and logprobs this output adds to the choice (the echo prefix with the first)."""

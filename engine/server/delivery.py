@@ -109,6 +109,16 @@ class Delivery:
             if broken is not None:
                 yield protocol.sse(broken.body())
                 return
+            if job.tools is not None:  # a reply is known to be a tool call only once whole: held till then
+                if output.finished:
+                    last[i] = output
+                    reason = texts[i].finish_reason(output) or "stop"
+                    for chunk in job.tools.final_chunks(chunks, output.text, reason, i):
+                        yield protocol.sse(chunk)
+                if all(o is not None for o in last):
+                    break
+                item = await merged.get()
+                continue
             text, logprobs = texts[i].delta(output)
             if text or logprobs is not None:
                 yield protocol.sse(chunks.text(text, logprobs, index=i))

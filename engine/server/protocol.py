@@ -18,8 +18,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from loraplex import wire
 from loraplex.engine.sampling_params import SamplingParams
+from loraplex.engine.structured_output import StructuredOutput, from_response_format
 from loraplex.wire import limits
 from loraplex.wire.errors import OpenAIError
+
+from .tools import ToolCalls
 
 if TYPE_CHECKING:
     from loraplex.engine.request import TokenLogprob
@@ -61,6 +64,7 @@ class _GenerationRequest(BaseModel):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = Field(default=None, description="an extension, as in vLLM (1: none)")
     logit_bias: dict[str, float] | None = None
+    response_format: dict[str, Any] | None = None  # structured outputs: engine/structured_output.py
 
     # The caps of wire/limits.py, checked on the raw JSON before pydantic converts (and so pays for) every
     # element; a LimitExceeded reaches the client as a 400 naming the field (see app.py).
@@ -90,6 +94,16 @@ class _GenerationRequest(BaseModel):
         limits.check_logit_bias(value)
         return value
 
+    @field_validator("response_format", mode="before")
+    @classmethod
+    def _bounded_response_format(cls, value: Any) -> Any:
+        limits.check_response_format(value)
+        return value
+
+    def structured_output(self) -> StructuredOutput | None:
+        """The grammar the reply follows (None: free text)."""
+        return from_response_format(self.response_format)
+
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
@@ -118,6 +132,7 @@ class _GenerationRequest(BaseModel):
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             # JSON's keys are strings; checked as token ids (decimal digits) by _bounded_logit_bias.
             logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
+            structured=self.structured_output(),
         )
 
     def refuse_unsupported(self) -> None:
@@ -239,8 +254,8 @@ class ChatCompletionRequest(_GenerationRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
     functions: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
 
     @field_validator("max_tokens", "max_completion_tokens", "top_logprobs", mode="before")
     @classmethod
@@ -260,7 +275,18 @@ class ChatCompletionRequest(_GenerationRequest):
     def _bounded_conversation(self) -> ChatCompletionRequest:
         limits.check_prompt_chars("messages", sum(m.content_chars for m in self.messages))
         limits.check_choices(1, self.n)
+        limits.check_tools(self.tools, self.tool_choice)
         return self
+
+    @property
+    def tool_calls(self) -> ToolCalls | None:
+        """The tools offered and how (engine/server/tools.py); None: none."""
+        return ToolCalls.of(self.tools, self.tool_choice)
+
+    def structured_output(self) -> StructuredOutput | None:
+        calls = self.tool_calls
+        forced = calls.structured() if calls is not None else None
+        return forced or super().structured_output()
 
     @property
     def choices_per_prompt(self) -> int:
@@ -268,10 +294,13 @@ class ChatCompletionRequest(_GenerationRequest):
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
-        if self.tools or self.functions:
-            raise bad_request("tools and functions are not supported by this server", "tools")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise bad_request("only response_format {'type': 'text'} is supported", "response_format")
+        if self.functions:
+            raise bad_request("functions is deprecated and not supported: send tools instead", "functions")
+        calls = self.tool_calls
+        if calls is not None and calls.choice != "auto" and super().structured_output() is not None:
+            raise bad_request(
+                "response_format and a required tool call cannot both shape the reply", "response_format"
+            )
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
 

@@ -246,6 +246,7 @@ def check_caps(body: dict[str, Any], endpoint: str) -> None:
         if bias is not None and not isinstance(bias, dict):
             raise limits.LimitExceeded("logit_bias", "logit_bias must be an object of token ids to numbers")
         limits.check_logit_bias(bias)
+        limits.check_response_format(body.get("response_format"))  # structured outputs: bounded schemas
         # Every number the sampler sees (top_k, temperature, seed, ...), as the engine checks it.
         limits.check_numbers(body, completions=endpoint == "completions")
         if endpoint == "completions":  # chat's logprobs is a boolean, its count top_logprobs
@@ -260,6 +261,7 @@ def check_caps(body: dict[str, Any], endpoint: str) -> None:
             limits.check_chat_messages(len(messages))
             limits.check_prompt_chars("messages", content_chars(messages))
             limits.check_choices(1, body.get("n"))
+            limits.check_tools(body.get("tools"), body.get("tool_choice"))
         else:
             # The engine's bounds on each form (a text, token ids, a list of either) and on the choices
             # all its prompts make (prompts x best_of sequences).

@@ -114,8 +114,15 @@ def test_each_app_has_its_own_registry() -> None:
 def test_refused_parameters_name_themselves() -> None:
     base = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
     for extra, param in (
-        ({"tools": [{"type": "function"}]}, "tools"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"functions": [{"name": "f"}]}, "functions"),
+        (  # two grammars for one reply: a forced tool call and a response format
+            {
+                "tools": [{"type": "function", "function": {"name": "f"}}],
+                "tool_choice": "required",
+                "response_format": {"type": "json_object"},
+            },
+            "response_format",
+        ),
         ({"top_logprobs": 2}, "top_logprobs"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),
     ):
