@@ -145,3 +145,69 @@ def test_penalties_and_logit_bias_reach_the_engine_through_the_gateway(
     with pytest.raises(BadRequestError) as outside:  # the vocabulary: the engine's check, passed on
         gateway.completions.create(**body, logit_bias={"49152": 1})
     assert outside.value.param == "logit_bias" and "49151" in outside.value.message
+
+
+def test_structured_outputs_and_tools_through_the_gateway(control_plane: str, engine_url: str) -> None:
+    """response_format and tools through the gateway with the openai SDK: the engine's own answers for the
+    same body, a tool call streamed as tool_calls deltas; a schema past the shared limits is the gateway's
+    400 naming it, one that cannot compile the engine's, passed on."""
+    import json
+
+    import jsonschema
+
+    tenant = httpx.post(f"{control_plane}/admin/v1/tenants", json={"name": "structured"}, headers=ADMIN)
+    assert tenant.status_code == 201, tenant.text
+    key = httpx.post(
+        f"{control_plane}/admin/v1/tenants/{tenant.json()['id']}/keys", json={"name": "ci"}, headers=ADMIN
+    ).json()["key"]
+    gateway = OpenAI(base_url=f"{control_plane}/v1", api_key=key, max_retries=0, timeout=120)
+    engine = OpenAI(
+        base_url=f"{engine_url}/v1",
+        api_key="unused",
+        default_headers={"X-Loraplex-Internal-Token": ENGINE_INTERNAL_TOKEN},
+        max_retries=0,
+        timeout=120,
+    )
+    person = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
+        "required": ["name", "age"],
+    }
+    fmt: Any = {"type": "json_schema", "json_schema": {"name": "person", "schema": person, "strict": True}}
+    chat: dict[str, Any] = {"model": BASE_MODEL, "messages": QUESTION, "max_tokens": 32, "temperature": 0}
+    answer = gateway.chat.completions.create(**chat, response_format=fmt).choices[0]
+    assert answer.finish_reason == "stop"
+    jsonschema.validate(json.loads(answer.message.content or ""), person)
+    assert (
+        answer.message.content
+        == engine.chat.completions.create(**chat, response_format=fmt).choices[0].message.content
+    )
+
+    weather: Any = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string", "maxLength": 16}},
+                "required": ["city"],
+            },
+        },
+    }
+    stream = gateway.chat.completions.create(**chat, tools=[weather], tool_choice="required", stream=True)
+    chunks = [c for c in stream if c.choices]
+    calls = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or [])]
+    assert calls and calls[0].function is not None and calls[0].function.name == "get_weather"
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+    huge: Any = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"enum": ["x" * 100] * 400}}}
+    with pytest.raises(BadRequestError) as capped:  # the shared limit, at the gateway
+        gateway.chat.completions.create(**chat, response_format=huge)
+    assert capped.value.param == "response_format.json_schema.schema"
+    broken: Any = {
+        "type": "json_schema",
+        "json_schema": {"name": "x", "schema": {"type": "string", "minLength": 5, "maxLength": 2}},
+    }
+    with pytest.raises(BadRequestError) as refused:  # cannot compile: the engine's check, passed on
+        gateway.chat.completions.create(**chat, response_format=broken)
+    assert refused.value.param == "response_format.json_schema.schema"
