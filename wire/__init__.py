@@ -82,6 +82,8 @@ ADAPTER_SHA256_INVALID = "adapter_sha256_invalid"
 ADAPTER_FETCH_FAILED = "adapter_fetch_failed"  # registering: nothing usable at the URI (400)
 ADAPTER_INVALID = "adapter_invalid"  # registering: the artifact fails validation or its digest (422)
 ADAPTER_NOT_FOUND = "adapter_not_found"  # unregistering a name the engine does not hold
+UNSUPPORTED_PARAMETER = "unsupported_parameter"  # a field OpenAI defines that this server cannot honour
+UNKNOWN_PARAMETER = "unknown_parameter"  # a field OpenAI's API does not define (the Responses API refuses it)
 
 
 @dataclass(frozen=True)

@@ -366,3 +366,40 @@ def check_tools(tools: object, tool_choice: object = None) -> None:
         )
     if name not in names:
         raise LimitExceeded("tool_choice", f"tool_choice names {name[:64]!r}, which is not among the tools")
+
+
+# The Responses API's free-form fields (echoed, never read by the model): OpenAI's bounds on `metadata` (16
+# pairs, keys of 64 characters, values of 512) and a bound on the end-user ids (`user`, `safety_identifier`,
+# `prompt_cache_key`), which the gateway also hashes for sticky traffic splits.
+MAX_METADATA_ENTRIES = 16
+MAX_METADATA_KEY_CHARS = 64
+MAX_METADATA_VALUE_CHARS = 512
+MAX_USER_CHARS = 512
+
+
+def check_metadata(metadata: object) -> None:
+    """`metadata`: null, or an object of at most MAX_METADATA_ENTRIES strings to strings, each bounded."""
+    if metadata is None:
+        return
+    if not isinstance(metadata, dict):
+        raise LimitExceeded("metadata", "metadata must be an object of strings to strings")
+    if len(metadata) > MAX_METADATA_ENTRIES:
+        raise LimitExceeded(
+            "metadata", f"metadata has {len(metadata)} entries; at most {MAX_METADATA_ENTRIES} are allowed"
+        )
+    for key, value in metadata.items():
+        if not isinstance(key, str) or len(key) > MAX_METADATA_KEY_CHARS:
+            raise LimitExceeded(
+                "metadata", f"metadata keys are strings of at most {MAX_METADATA_KEY_CHARS} characters"
+            )
+        if not isinstance(value, str) or len(value) > MAX_METADATA_VALUE_CHARS:
+            raise LimitExceeded(
+                "metadata",
+                f"metadata[{key!r}] must be a string of at most {MAX_METADATA_VALUE_CHARS} characters",
+            )
+
+
+def check_user(param: str, value: object) -> None:
+    """An end-user id (`user`, ...): null, or a string of at most MAX_USER_CHARS characters."""
+    if value is not None and (not isinstance(value, str) or len(value) > MAX_USER_CHARS):
+        raise LimitExceeded(param, f"{param} must be a string of at most {MAX_USER_CHARS} characters")

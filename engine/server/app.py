@@ -43,7 +43,7 @@ from loraplex.wire.errors import (
     failure_error,
 )
 
-from . import jobs, protocol, tokenization
+from . import jobs, protocol, responses, tokenization
 from .async_engine import AsyncEngine
 from .choices import Job, Prompt
 from .delivery import (
@@ -285,26 +285,43 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(body: protocol.ChatCompletionRequest, request: Request) -> Response:
-        caller = state.trust.caller(request)
-        body.refuse_unsupported()
-        engine = state.serving()
-        adapter = await state.registrar.adapter_for(engine, request, body.model, caller)
-        tokenizer = engine.tokenizer
-        if tokenizer is None:
-            raise bad_request("this model has no tokenizer, so it has no chat template", "messages")
+        return await _run(state, await _chat_job(state, body, request), request)
+
+    @app.post("/v1/responses", response_model=None)
+    async def create_response(body: dict[str, Any], request: Request) -> Response:
+        # OpenAI's Responses API, stateless: the chat request it means, written back as a Response.
         try:
-            ids = await asyncio.to_thread(tokenizer.encode_chat, *chat_prompt(body, tokenizer.chat_template))
-        except OpenAIError:
+            job = await _chat_job(state, responses.chat_request(body), request, "input")
+            return await _run(state, job, request, responses.ResponsesDelivery.of(body))
+        except OpenAIError as exc:  # the chat path's field names (max_tokens, ...) as the Responses API's
+            exc.param = responses.responses_param(exc.param)
             raise
-        except Exception as exc:  # the template refused the conversation, or the tokenizer did
-            raise bad_request(f"messages: {exc}", "messages") from exc
-        params = jobs.sampling_params(engine, body, len(ids), body.token_limit, body.logprobs_wanted, adapter)
-        n = body.choices_per_prompt
-        job = Job(
-            True, body.model, adapter, [Prompt(ids, params)], body.stream, body.include_usage, caller.tenant,
-            n=n, best_of=n, logprobs=body.logprobs_wanted, tools=body.tool_calls,
-        )  # fmt: skip
-        return await _run(state, job, request)
+
+
+async def _chat_job(
+    state: ServerState, body: protocol.ChatCompletionRequest, request: Request, field: str = "messages"
+) -> Job:
+    """A chat request tokenized through the chat template and resolved to its adapter; `field`: what a
+    template's refusal names (`input` for the Responses API)."""
+    caller = state.trust.caller(request)
+    body.refuse_unsupported()
+    engine = state.serving()
+    adapter = await state.registrar.adapter_for(engine, request, body.model, caller)
+    tokenizer = engine.tokenizer
+    if tokenizer is None:
+        raise bad_request("this model has no tokenizer, so it has no chat template", field)
+    try:
+        ids = await asyncio.to_thread(tokenizer.encode_chat, *chat_prompt(body, tokenizer.chat_template))
+    except OpenAIError:
+        raise
+    except Exception as exc:  # the template refused the conversation, or the tokenizer did
+        raise bad_request(f"{field}: {exc}", field) from exc
+    params = jobs.sampling_params(engine, body, len(ids), body.token_limit, body.logprobs_wanted, adapter)
+    n = body.choices_per_prompt
+    return Job(
+        True, body.model, adapter, [Prompt(ids, params)], body.stream, body.include_usage, caller.tenant,
+        n=n, best_of=n, logprobs=body.logprobs_wanted, tools=body.tool_calls,
+    )  # fmt: skip
 
 
 def chat_prompt(
@@ -346,7 +363,11 @@ def _decode(engine: AsyncEngine, ids: list[int]) -> str:
     return tokenizer.decode(ids, skip_special_tokens=False) if tokenizer else ""
 
 
-async def _run(state: ServerState, job: Job, request: Request) -> Response:
+async def _run(
+    state: ServerState, job: Job, request: Request, deliver: Callable[..., Delivery] = Delivery
+) -> Response:
+    """Submit `job` and answer it: whole or streamed, in the shapes `deliver` writes (chat and completions
+    by default; responses.ResponsesDelivery for /v1/responses)."""
     engine = state.serving()
     jobs.check_room(engine, job)
     streams = await jobs.submit(engine, job)
@@ -355,7 +376,7 @@ async def _run(state: ServerState, job: Job, request: Request) -> Response:
     def text_of(token_id: int) -> str:
         return tokenizer.decode([token_id], skip_special_tokens=False) if tokenizer else str(token_id)
 
-    delivery = Delivery(job, streams, text_of)
+    delivery = deliver(job, streams, text_of)
     merged: Merged | None = None
     handed_over = False
     try:
