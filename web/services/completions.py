@@ -231,9 +231,9 @@ class Gateway:
     async def create(
         self, principal: Principal, body: dict[str, Any], endpoint: str
     ) -> Completion | CompletionStream:
-        """Serve one OpenAI request for `principal` on `endpoint` ("completions" or "chat/completions"):
-        a stream when the body asks for one. Raises Refused or EngineRefused; settles the request's
-        reservation however it ends before a stream is handed over."""
+        """Serve one OpenAI request for `principal` on `endpoint` ("completions", "chat/completions" or
+        "responses"): a stream when the body asks for one. Raises Refused or EngineRefused; settles the
+        request's reservation however it ends before a stream is handed over."""
         try:
             require_inference(principal.limits)  # a read-only key is refused whatever it names
         except ScopeRefused as exc:
@@ -252,8 +252,9 @@ class Gateway:
         if isinstance(target, gateway.NotServed):
             raise not_served(target)
         streaming = bool(body.get("stream"))
-        wants_usage = False
-        if streaming:  # the final chunk then carries the engine's exact usage, for metering
+        # A Responses stream always ends with its usage (response.completed): nothing to ask or filter.
+        wants_usage = endpoint == gateway.RESPONSES
+        if streaming and not wants_usage:  # the final chunk then carries the engine's exact usage
             options = body.get("stream_options")
             options = options if isinstance(options, dict) else {}
             wants_usage = options.get("include_usage") is True

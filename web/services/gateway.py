@@ -14,7 +14,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from loraplex import wire
-from loraplex.wire import limits
+from loraplex.wire import limits, responses
 
 from ..db.models import Adapter, AdapterName, AdapterStatus, Deployment
 from .adapters import find_adapter, find_version
@@ -227,11 +227,16 @@ def parse_body(raw: bytes, limit: int = MAX_REQUEST_BODY_BYTES) -> dict[str, Any
     return body
 
 
+RESPONSES = "responses"  # the Responses API: checked by its chat translation, forwarded as sent
+
+
 def completion_limit(body: dict[str, Any], endpoint: str) -> int | None:
     """The field that limits completion length on `endpoint`, exactly as the engine reads it
     (engine/server/protocol.py): chat takes `max_completion_tokens`, else `max_tokens`; the legacy
-    completions endpoint only `max_tokens`."""
-    if endpoint == "chat/completions":
+    completions endpoint only `max_tokens`; the Responses API `max_output_tokens`."""
+    if endpoint == RESPONSES:
+        value = body.get("max_output_tokens")
+    elif endpoint == "chat/completions":
         value = body.get("max_completion_tokens") or body.get("max_tokens")
     else:
         value = body.get("max_tokens")
@@ -239,7 +244,19 @@ def completion_limit(body: dict[str, Any], endpoint: str) -> int | None:
 
 
 def check_caps(body: dict[str, Any], endpoint: str) -> None:
-    """Every cap of wire/limits.py on the fields this body holds; BadRequest naming the field."""
+    """Every cap of wire/limits.py on the fields this body holds; BadRequest naming the field. A Responses
+    body is checked as the chat body it means (wire/responses.py), its errors named by its own fields."""
+    if endpoint == RESPONSES:
+        try:
+            check_caps(responses.to_chat(body), "chat/completions")
+        except responses.Refused as exc:
+            raise BadRequest(exc.param, str(exc), code=exc.code) from None
+        except limits.LimitExceeded as exc:
+            raise BadRequest(responses.responses_param(exc.param), str(exc)) from None
+        except BadRequest as exc:
+            exc.param = responses.responses_param(exc.param)
+            raise
+        return
     try:
         limits.check_stop(body.get("stop"))
         bias = body.get("logit_bias")
@@ -292,7 +309,7 @@ def set_completion_limit(body: dict[str, Any], endpoint: str, default: int) -> i
     engine stops where the gateway's reservation ends."""
     limit = completion_limit(body, endpoint)
     if limit is None:
-        body["max_tokens"] = limit = default
+        body["max_output_tokens" if endpoint == RESPONSES else "max_tokens"] = limit = default
     return limit * sequences(body, endpoint)
 
 
@@ -303,6 +320,8 @@ def sequences(body: dict[str, Any], endpoint: str) -> int:
         value = body.get(field)
         return value if isinstance(value, int) and not isinstance(value, bool) else 1
 
+    if endpoint == RESPONSES:  # one answer per request
+        return 1
     prompts = 1 if endpoint == "chat/completions" else max(1, limits.prompt_count(body.get("prompt")))
     per_prompt = max(count("n"), count("best_of") if endpoint == "completions" else 1)
     return prompts * per_prompt
@@ -330,6 +349,10 @@ def estimate_prompt_tokens(body: dict[str, Any]) -> int:
 
 
 def prompt_text(body: dict[str, Any]) -> str:
+    if "input" in body:  # a Responses body (checked already): its instructions and input items as chat's
+        messages = responses.messages(body)
+        calls = [c["function"]["arguments"] for m in messages for c in m.get("tool_calls") or []]
+        return "\n".join([*(m["content"] or "" for m in messages), *calls])
     if "messages" in body:
         parts = []
         for message in body.get("messages") or []:
@@ -416,6 +439,10 @@ class Meter:
         error = wire.WireError.from_body(event)
         if error is not None:
             self.error = error
+        kind = event.get("type")
+        if isinstance(kind, str) and kind.startswith("response."):  # the Responses API's typed events
+            self._count_response_event(kind, event)
+            return
         usage = event.get("usage")
         if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
             self.usage = usage
@@ -426,6 +453,16 @@ class Meter:
             text = delta.get("content") if isinstance(delta, dict) else None
             if text or choice.get("text"):
                 self.chunks += 1  # engines send about one token a chunk
+
+    def _count_response_event(self, kind: str, event: dict[str, Any]) -> None:
+        """A delta (about a token) or the last event, whose Response carries the exact usage."""
+        if kind in ("response.output_text.delta", "response.function_call_arguments.delta"):
+            self.chunks += 1
+        elif kind in ("response.completed", "response.incomplete"):
+            response = event.get("response")
+            usage = responses.chat_usage(response.get("usage") if isinstance(response, dict) else None)
+            if usage is not None:
+                self.usage = usage
 
     def totals(self) -> tuple[int, int, bool]:
         """(prompt tokens, completion tokens, exact)."""
@@ -444,10 +481,13 @@ def cached_tokens(usage: dict[str, Any] | None) -> int:
 
 
 def usage_of_body(content: bytes) -> dict[str, int] | None:
+    """A whole answer's usage in chat's terms (a Response's input/output tokens read as such)."""
     try:
         usage = json.loads(content).get("usage")
     except (ValueError, AttributeError, RecursionError):
         return None
+    if isinstance(usage, dict) and "input_tokens" in usage:
+        usage = responses.chat_usage(usage)
     if not isinstance(usage, dict) or not all(
         isinstance(usage.get(k), int) for k in ("prompt_tokens", "completion_tokens")
     ):

@@ -65,6 +65,14 @@ class CompletionRequest(_Request):
     max_tokens: int | None = Field(default=None, ge=0, le=gateway.limits.MAX_COMPLETION_TOKENS)
 
 
+class ResponseRequest(_Request):
+    """OpenAI's Responses API, stateless: checked by its chat translation (wire/responses.py) and forwarded
+    to the engine's /v1/responses as sent."""
+
+    input: StrictStr | list[dict[str, Any]]
+    max_output_tokens: int | None = Field(default=None, ge=1, le=gateway.limits.MAX_COMPLETION_TOKENS)
+
+
 def _documented(model: type[BaseModel]) -> dict[str, Any]:
     """The body's schema for /openapi.json: the route reads the body itself (to bound it first)."""
     schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
@@ -121,6 +129,12 @@ async def chat_completions(request: Request, principal: GatewayTenant) -> Respon
 async def completions(request: Request, principal: GatewayTenant) -> Response:
     body = await _body(request, CompletionRequest)
     return await answer(request, principal, body, "completions")
+
+
+@router.post("/responses", response_model=None, openapi_extra=_documented(ResponseRequest))
+async def create_response(request: Request, principal: GatewayTenant) -> Response:
+    body = await _body(request, ResponseRequest)
+    return await answer(request, principal, body, gateway.RESPONSES)
 
 
 async def answer(request: Request, principal: Principal, body: dict[str, Any], endpoint: str) -> Response:
