@@ -27,17 +27,20 @@ _LEAVES = {path.rsplit(".", 1)[1]: short for short, path in MODULE_PATHS.items()
 # digit must not alias layer 7, and int() never sees a 5000-digit run. fullmatch: `$` would allow "\n".
 _TENSOR_NAME = re.compile(
     r"(?:base_model\.model\.)?model\.layers\.(?P<layer>0|[1-9][0-9]{0,5})\.(?:self_attn|mlp)\."
-    r"(?P<leaf>[A-Za-z0-9_]+)\.lora_(?P<part>[AB])(?:\.[A-Za-z0-9_-]+)?\.weight",
+    r"(?P<leaf>[A-Za-z0-9_]+)\.(?:lora_(?P<part>[AB])(?:\.[A-Za-z0-9_-]+)?\.weight"
+    # DoRA's magnitude vector: PEFT saves it bare (0.12 on), older versions with .weight
+    r"|lora_magnitude_vector(?:\.weight)?)",
     re.ASCII,
 )
 
 
 def parse_tensor_name(name: str) -> tuple[int, str, str] | None:
-    """(layer, short module, "A" or "B") of a PEFT LoRA tensor name, or None if it is not one."""
+    """(layer, short module, "A", "B" or "M") of a PEFT LoRA tensor name, or None if it is not one
+    ("M": a DoRA magnitude vector)."""
     match = _TENSOR_NAME.fullmatch(name)
     if match is None or match["leaf"] not in _LEAVES:
         return None
-    return int(match["layer"]), _LEAVES[match["leaf"]], match["part"]
+    return int(match["layer"]), _LEAVES[match["leaf"]], match["part"] or "M"
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,7 @@ class ModuleLora:
     scale: float
     in_features: int
     out_features: int
+    dora: bool = False  # a DoRA module: its magnitude vector [out_features] comes with A and B
 
 
 @dataclass(frozen=True)
@@ -69,7 +73,15 @@ class AdapterManifest:
 
     @property
     def num_parameters(self) -> int:
-        return sum(m.rank * (m.in_features + m.out_features) for m in self.modules)
+        return sum(m.rank * (m.in_features + m.out_features) + m.dora * m.out_features for m in self.modules)
+
+    @property
+    def dora(self) -> bool:
+        return self.config.use_dora
+
+
+def _part_name(part: str) -> str:
+    return "lora_magnitude_vector" if part == "M" else f"lora_{part}"
 
 
 def sha256_of(path: Path) -> str:
@@ -99,7 +111,8 @@ def inspect_adapter(directory: str | Path, base: BaseShape) -> AdapterManifest:
         key = parse_tensor_name(name)
         if key is None:
             raise AdapterError(
-                f"{WEIGHTS_FILE}: tensor {shown(name)} is not a LoRA A/B weight of a supported projection"
+                f"{WEIGHTS_FILE}: tensor {shown(name)} is not a LoRA A/B weight (or DoRA magnitude) of a "
+                "supported projection"
             )
         if info.dtype not in FLOAT_DTYPES:
             raise AdapterError(
@@ -108,7 +121,7 @@ def inspect_adapter(directory: str | Path, base: BaseShape) -> AdapterManifest:
         if key in found:  # e.g. with and without the base_model.model. prefix: which one would load?
             raise AdapterError(
                 f"{WEIGHTS_FILE}: tensors {shown(found[key][0])} and {shown(name)} are both layer {key[0]} "
-                f"{key[1]} lora_{key[2]}"
+                f"{key[1]} {_part_name(key[2])}"
             )
         found[key] = (name, info.shape, info.dtype)
 
@@ -120,22 +133,35 @@ def inspect_adapter(directory: str | Path, base: BaseShape) -> AdapterManifest:
         full = module_name(layer, module)
         rank = config.rank_of(full)
         in_features, out_features = base.features(module)
-        for part, expected in (("A", (rank, in_features)), ("B", (out_features, rank))):
+        parts = [("A", (rank, in_features)), ("B", (out_features, rank))]
+        if config.use_dora:
+            parts.append(("M", (out_features,)))
+        for part, expected in parts:
             if (layer, module, part) not in found:
-                raise AdapterError(f"layer {layer} {module}: lora_{part} is missing from {WEIGHTS_FILE}")
+                raise AdapterError(
+                    f"layer {layer} {module}: {_part_name(part)} is missing from {WEIGHTS_FILE}"
+                    + (" (use_dora is true)" if part == "M" else "")
+                )
             name, shape, _ = found.pop((layer, module, part))
             if shape != expected:
                 raise AdapterError(
-                    f"layer {layer} {module}: lora_{part} has shape {list(shape)}, the base model needs "
-                    f"{list(expected)} (rank {rank}, {in_features} in, {out_features} out)"
+                    f"layer {layer} {module}: {_part_name(part)} has shape {list(shape)}, the base model "
+                    f"needs {list(expected)} (rank {rank}, {in_features} in, {out_features} out)"
                 )
-        modules.append(ModuleLora(layer, module, rank, config.scale_of(full), in_features, out_features))
+        modules.append(
+            ModuleLora(layer, module, rank, config.scale_of(full), in_features, out_features, config.use_dora)
+        )
     if found:
         layer, module, part = min(found)
         if layer >= base.num_layers:
             raise AdapterError(
                 f"{shown(found[(layer, module, part)][0])}: layer {layer} is past the base model's "
                 f"{base.num_layers} layers"
+            )
+        if part == "M" and not config.use_dora:
+            raise AdapterError(
+                f"{shown(found[(layer, module, part)][0])} is a DoRA magnitude vector, but "
+                "adapter_config.json does not set use_dora"
             )
         raise AdapterError(f"{shown(found[(layer, module, part)][0])} is not targeted by adapter_config.json")
     check_finite(weights, tensors)  # reads every weight: last, after the checks that cost nothing

@@ -47,6 +47,9 @@ class LoraConfig:
     alpha_pattern: dict[str, float] = field(default_factory=dict)
     fan_in_fan_out: bool = False
     base_model_name_or_path: str | None = None
+    # DoRA: each adapted module also has a magnitude vector m [out]; its output is scaled per channel
+    # by m / ||W0 + scale * B A|| (the engine computes that once, at load, against its base weights).
+    use_dora: bool = False
 
     def targets(self, name: str) -> bool:
         """Whether PEFT would wrap the module `name` (e.g. model.layers.3.self_attn.q_proj).
@@ -142,7 +145,6 @@ def parse_config(raw: dict[str, Any]) -> LoraConfig:
     peft_type = raw.get("peft_type", "LORA")
     if not isinstance(peft_type, str) or peft_type.upper() != "LORA":
         raise AdapterError(f"peft_type {shown(peft_type)} is not supported: only LORA adapters are served")
-    _refuse_if(raw.get("use_dora"), "use_dora", "DoRA adapters are not supported")
     _refuse_if(raw.get("modules_to_save"), "modules_to_save", "fully trained extra modules are not supported")
     bias = raw.get("bias", "none")
     _refuse_if(bias not in (None, "none"), "bias", f"bias {shown(bias)} is not supported (only 'none')")
@@ -171,6 +173,7 @@ def parse_config(raw: dict[str, Any]) -> LoraConfig:
         # PEFT turns this off itself for the nn.Linear layers of Llama models; A and B keep their shapes.
         fan_in_fan_out=_flag(raw, "fan_in_fan_out"),
         base_model_name_or_path=base_model,
+        use_dora=_flag(raw, "use_dora"),
     )
 
 

@@ -41,6 +41,7 @@ from .fault_guard import FaultGuard
 from .grammar import Grammar, GrammarCache
 from .graphs import CudaGraphBackend, DecodeGraphs
 from .kv_cache import KVCache, page_bytes
+from .lora.dora import served_base_weights
 from .lora.loader import AdapterLoader, LoadFailed, LoadFailure
 from .lora.registry import AdapterRegistry
 from .lora.report import adapter_report
@@ -144,6 +145,7 @@ class LLMEngine:
             model_config.lora_shape(),
             rows_per_page=self.cache.pages().shape[1] // head_dim,
             host_cache_bytes=config.adapter_host_cache_bytes,
+            base_weights=served_base_weights(loaded.model),
         )
         eos = self.tokenizer.eos_token_ids if self.tokenizer else model_config.eos_token_ids
         self.prefix_cache = (

@@ -75,13 +75,14 @@ def test_generate_with_the_demo_adapter_answers_in_capitals() -> None:
 
 
 def test_generate_reports_a_bad_adapter(tmp_path: Path) -> None:
-    (tmp_path / "adapter_config.json").write_text('{"r": 8, "target_modules": ["q_proj"], "use_dora": true}')
+    config = '{"r": 8, "target_modules": ["q_proj"], "modules_to_save": ["lm_head"]}'
+    (tmp_path / "adapter_config.json").write_text(config)
     result = subprocess.run(
         [LORAPLEX, "generate", "--prompt", "hi", "--model", "random:tiny", "--adapter", str(tmp_path)],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert result.returncode == 2 and result.stdout == ""
-    assert "use_dora: DoRA adapters are not supported" in result.stderr
+    assert "modules_to_save: fully trained extra modules are not supported" in result.stderr
 
 
 # --- engine options: one refusal at every door (tests/engine/test_config.py covers every option) ---------

@@ -40,6 +40,9 @@ class LoRAKernelMeta:
     seg_starts: torch.Tensor | None = None  # [G + 1] int32
     seg_slot: torch.Tensor | None = None  # [G] int32 (None with seg_starts: no segments)
     max_seg_len: int | None = None
+    # DoRA (lora_dora.py): [L, C] int64, at slot u's first column slot_start[u] the pool row of its
+    # g - 1 row for each layer (0: none). None: no adapter of the step is a DoRA one.
+    d_starts: torch.Tensor | None = None
     # What every b_col and b_width is a multiple of, if not gcd(head_dim, 16) as the engine's tables
     # make them (a wrong value gives wrong results on a GPU).
     col_align: int | None = None

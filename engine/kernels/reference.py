@@ -294,6 +294,44 @@ def lora_expand_segments(
     _expand(y, shrunk, pool_rows, meta, layer, segment_token_slots(seg_starts, seg_slot, y.shape[0]))
 
 
+def _dora_scale(
+    y: torch.Tensor, pool_rows: torch.Tensor, meta: LoRAKernelMeta, layer: int, token_slot: torch.Tensor
+) -> None:
+    """lora_dora_scale_tokens with the slots given as token_slot [T]."""
+    if meta.d_starts is None:
+        raise ValueError("the DoRA scale needs meta.d_starts (the step holds no DoRA adapter)")
+    d_starts = meta.d_starts[layer].long()
+    has = token_slot >= 0
+    slot = token_slot.long().clamp(min=0)
+    if len(meta.slot_rank) == 0:
+        return
+    d_row = torch.where(has & (meta.slot_rank.long()[slot] > 0), d_starts[meta.slot_start.long()[slot]], 0)
+    h = gather_rows(pool_rows, (d_row[:, None] + torch.arange(y.shape[1] // pool_rows.shape[1])).clamp(min=0))
+    scaled = (y.float() * (1 + h.float())).to(y.dtype)
+    y.copy_(torch.where((d_row != 0)[:, None], scaled, y))
+
+
+def lora_dora_scale_tokens(
+    y: torch.Tensor, pool_rows: torch.Tensor, meta: LoRAKernelMeta, layer: int
+) -> None:
+    """Multiply, in place, each row of y whose adapter is a DoRA one by 1 + its g - 1 of layer `layer`.
+
+    Shapes: y [T, out]; pool_rows [N, head_dim]; meta with token_slot [T] (-1: none) and d_starts [L, C].
+    Semantics: with d = d_starts[layer, slot_start[u]], u = token_slot[t]:
+    y[t, n] = y[t, n] * (1 + pool[d * head_dim + n]) in float32, cast to y.dtype, where d != 0 and
+    slot_rank[u] > 0; other rows untouched.
+    """
+    _dora_scale(y, pool_rows, meta, layer, meta.tokens())
+
+
+def lora_dora_scale_segments(
+    y: torch.Tensor, pool_rows: torch.Tensor, meta: LoRAKernelMeta, layer: int
+) -> None:
+    """lora_dora_scale_tokens with the slots given per segment (meta.seg_starts [G + 1], seg_slot [G])."""
+    seg_starts, seg_slot, _ = meta.segments()
+    _dora_scale(y, pool_rows, meta, layer, segment_token_slots(seg_starts, seg_slot, y.shape[0]))
+
+
 def prefill_attention_varlen(
     q: torch.Tensor,
     memory: torch.Tensor,
@@ -344,6 +382,8 @@ def lora_grouped(
     offsets: torch.Tensor,
     counts: list[int],
     row_groups: torch.Tensor | None = None,
+    scale: torch.Tensor | None = None,
+    scale_groups: torch.Tensor | None = None,
 ) -> None:
     """Add every token's own adapter delta to a projection's output, in place, adapter by adapter.
 
@@ -357,6 +397,10 @@ def lora_grouped(
     row takes its own matrices in one batched matmul, where a grouped GEMM of one or two rows per group
     costs 3-6x more on the CPU. a and b may be float32 beside 16-bit x and y (the CPU computes the
     small matrices faster that way): the delta is computed in their dtype and rounded once into y.
+    `scale` [G, out] (DoRA, engine/lora/dora.py): each adapter's g - 1 per output column (0 for plain
+    LoRA adapters); then y[t] = (y[t] + delta) * (1 + scale[g]) for each token t of adapter g, computed
+    in a's dtype and rounded once; `scale_groups` [T_a] is each row's adapter for it (row_groups when
+    None).
     """
     rows = x if order is None else x.index_select(0, order)
     rows = rows.to(a.dtype)
@@ -365,6 +409,17 @@ def lora_grouped(
         delta = torch.bmm(shrunk, b.index_select(0, row_groups)).squeeze(1)
     else:
         delta = grouped_matmul(grouped_matmul(rows, a, offsets, counts), b, offsets, counts)
+    if scale is not None:
+        groups = scale_groups if scale_groups is not None else row_groups
+        if groups is None:
+            raise ValueError("a DoRA scale needs each row's adapter (scale_groups or row_groups)")
+        base = y if order is None else y.index_select(0, order)
+        scaled = (base.to(delta.dtype) + delta) * (1 + scale.index_select(0, groups).to(delta.dtype))
+        if order is None:
+            y.copy_(scaled.to(y.dtype))
+        else:
+            y.index_copy_(0, order, scaled.to(y.dtype))
+        return
     if order is None:
         y.add_(delta.to(y.dtype))
     else:

@@ -26,7 +26,8 @@ Packer = Callable[[], PackedAdapter]
 
 
 def packed_bytes(packed: PackedAdapter) -> int:
-    index = sum(t.numel() * t.element_size() for t in (*packed.a_rows.values(), *packed.b_rows.values()))
+    indices = (*packed.a_rows.values(), *packed.b_rows.values(), *packed.d_rows.values())
+    index = sum(t.numel() * t.element_size() for t in indices)
     data = packed.data.numel() * packed.data.element_size()
     return data + index + packed.data_rows.numel() * packed.data_rows.element_size()
 

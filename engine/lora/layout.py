@@ -11,11 +11,17 @@ The ops work on four projection groups, the model's fused matmuls: qkv, o, gate_
 group an adapter contributes C rows (the sum of its ranks in the group, the same in every layer, layers
 with fewer padded by the zero row): A rows [C, in] and B rows [C, group_out] where each module's B sits
 in its own column block and the rest points at the zero row (page 0, reserved and never written).
+
+A DoRA adapter also packs, after its A and B rows, one scale row per layer and group it adapts: the
+group's output width of h = g - 1, where g = m / ||W0 + scale * B A|| is each output channel's DoRA
+scale (engine/lora/dora.py), and h = 0 in the columns of the group's modules it does not adapt. The
+pool keeps g - 1 rather than g so that the zero row means "no scale" (plain LoRA adapters, layers the
+adapter skips) and a 16-bit pool keeps g's precision near 1, where it always is.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -47,6 +53,8 @@ class PackedAdapter:
     data_rows: torch.Tensor  # [rows_written] virtual row of each data row
     a_rows: dict[str, torch.Tensor]  # group -> [layers, C, in / head_dim] virtual rows (-1: zero row)
     b_rows: dict[str, torch.Tensor]  # group -> [layers, C, out / head_dim] virtual rows (-1: zero row)
+    # DoRA only: group -> [layers, out / head_dim] virtual rows of each layer's g - 1 (-1: zero row)
+    d_rows: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def pages_needed(self, rows_per_page: int) -> int:
         return -(-self.num_rows // rows_per_page)
@@ -58,8 +66,11 @@ def pack_adapter(
     base: BaseShape,
     head_dim: int,
     rows_per_page: int,
+    scales: dict[tuple[int, str], torch.Tensor] | None = None,
 ) -> PackedAdapter:
-    """Lay out A and scaled B^T of every adapted module; build each group's gather indices."""
+    """Lay out A and scaled B^T of every adapted module; build each group's gather indices. `scales`
+    (a DoRA adapter's): (layer, module) -> h = g - 1 [out] of every adapted module, laid out after them
+    as one row of the group's width per layer and group (`dora_groups`)."""
     for width in (base.hidden_size, base.intermediate_size, base.q_size, base.kv_size):
         if width % head_dim:
             raise ValueError(f"projection width {width} is not a multiple of head_dim {head_dim}")
@@ -109,9 +120,41 @@ def pack_adapter(
                     row += rank
                 column += out_cols
         a_rows[group], b_rows[group] = a_index, b_index
+
+    d_rows: dict[str, torch.Tensor] = {}
+    if scales is not None:
+        dtype = chunks[0].dtype
+        for layer, group in dora_groups(manifest):
+            out_width = group_width(base, group)[1]
+            row = torch.zeros(1, out_width, dtype=torch.float32)
+            column = 0
+            for module in GROUPS[group]:
+                width = base.features(module)[1]
+                if (layer, module) in by_module:
+                    row[0, column : column + width] = scales[(layer, module)]
+                column += width
+            place(row.to(dtype))
+            index = d_rows.setdefault(
+                group, torch.full((base.num_layers, out_width // head_dim), -1, dtype=torch.long)
+            )
+            index[layer] = chunk_rows[-1]
     data = torch.cat(chunks) if chunks else torch.empty(0, head_dim)
     order = torch.cat(chunk_rows) if chunk_rows else torch.empty(0, dtype=torch.long)
-    return PackedAdapter(max(cursor.position, 1), data, order, a_rows, b_rows)
+    return PackedAdapter(max(cursor.position, 1), data, order, a_rows, b_rows, d_rows)
+
+
+def dora_groups(manifest: AdapterManifest) -> list[tuple[int, str]]:
+    """(layer, group) of every DoRA scale row a DoRA adapter packs, in packing order (none otherwise)."""
+    if not manifest.dora:
+        return []
+    adapted = {(m.layer, m.module) for m in manifest.modules}
+    layers = sorted({m.layer for m in manifest.modules})
+    return [
+        (layer, group)
+        for layer in layers
+        for group, modules in GROUPS.items()
+        if any((layer, m) in adapted for m in modules)
+    ]
 
 
 class _RowCursor:
@@ -134,12 +177,14 @@ class _RowCursor:
         return torch.tensor(starts, dtype=torch.long)[:, None] + torch.arange(per_row)[None, :]
 
 
-def count_rows(manifest: AdapterManifest, head_dim: int, rows_per_page: int) -> int:
+def count_rows(manifest: AdapterManifest, head_dim: int, rows_per_page: int, base: BaseShape) -> int:
     """The virtual rows `pack_adapter` will use for this manifest, known before reading any weights."""
     cursor = _RowCursor(head_dim, rows_per_page)
     for lora in sorted(manifest.modules, key=lambda m: (m.layer, m.module)):
         cursor.place(lora.rank, lora.in_features)
         cursor.place(lora.rank, lora.out_features)
+    for _, group in dora_groups(manifest):
+        cursor.place(1, group_width(base, group)[1])
     return max(cursor.position, 1)
 
 

@@ -19,12 +19,13 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from loraplex.adapters import AdapterError, AdapterManifest, BaseShape
 
+from .dora import BaseWeights, dora_scales
 from .host_cache import HostCache
 from .layout import PackedAdapter, count_rows, pack_adapter, physical_rows
 from .registry import AdapterLoad, AdapterRegistry
@@ -43,6 +44,8 @@ class ResidentRows:
     pages: list[int]
     a_rows: dict[str, torch.Tensor]  # group -> [layers, C, in / head_dim] pool rows
     b_rows: dict[str, torch.Tensor]  # group -> [layers, C, out / head_dim]
+    # DoRA adapters: group -> [layers, out / head_dim] pool rows of each layer's g - 1 (lora/dora.py)
+    d_rows: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -68,8 +71,10 @@ class AdapterLoader:
         base: BaseShape,
         rows_per_page: int,
         host_cache_bytes: int = DEFAULT_HOST_CACHE_BYTES,
+        base_weights: BaseWeights | None = None,  # what DoRA scales are computed against (lora/dora.py)
     ):
         self.registry = registry
+        self.base_weights = base_weights
         self.pool_rows = pool_rows
         self.base = base
         self.head_dim = pool_rows.shape[1]
@@ -89,7 +94,7 @@ class AdapterLoader:
 
     def pages_for(self, manifest: AdapterManifest) -> int:
         """Pool pages an adapter with this manifest occupies, known before reading its weights."""
-        return -(-count_rows(manifest, self.head_dim, self.rows_per_page) // self.rows_per_page)
+        return -(-count_rows(manifest, self.head_dim, self.rows_per_page, self.base) // self.rows_per_page)
 
     def prefetch(self, names: Iterable[str]) -> None:
         """Start reading the host copies of adapters about to be wanted (those of queued requests)."""
@@ -152,7 +157,7 @@ class AdapterLoader:
         def place(index: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             return {g: physical_rows(v, load.pages, self.rows_per_page).to(device) for g, v in index.items()}
 
-        resident = ResidentRows(load.pages, place(packed.a_rows), place(packed.b_rows))
+        resident = ResidentRows(load.pages, place(packed.a_rows), place(packed.b_rows), place(packed.d_rows))
         self.resident[load.name] = resident
         self.tables.add(load.name, adapter_meta(resident, self.base, self.head_dim))  # once per load
         self.registry.loaded(load.name)
@@ -169,7 +174,14 @@ class AdapterLoader:
         def pack() -> PackedAdapter:
             weights = source.load(dtype)
             check_finite(weights)
-            packed = pack_adapter(source.manifest, weights, self.base, self.head_dim, self.rows_per_page)
+            scales = None
+            if source.manifest.dora:
+                if self.base_weights is None:
+                    raise AdapterError("use_dora: this engine has no base weights to compute DoRA scales")
+                scales = dora_scales(source.manifest, weights, self.base, self.base_weights)
+            packed = pack_adapter(
+                source.manifest, weights, self.base, self.head_dim, self.rows_per_page, scales
+            )
             if not bool(torch.isfinite(packed.data).all()):
                 raise AdapterError(
                     "the adapter's B matrices overflow when scaled by lora_alpha / r in this engine's "

@@ -42,6 +42,20 @@ from loraplex.adapters.store import OutsideStore
 LoraWeights = dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
 
 
+class DoraWeights(dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]):
+    """The LoraWeights of a DoRA adapter, with its magnitude vectors: (layer, module) -> m [out], in
+    float32 whatever dtype A and B were read in (the scale the engine derives from them is float32)."""
+
+    def __init__(self, pairs: LoraWeights, magnitudes: dict[tuple[int, str], torch.Tensor]):
+        super().__init__(pairs)
+        self.magnitudes = magnitudes
+
+
+def magnitudes_of(weights: LoraWeights) -> dict[tuple[int, str], torch.Tensor]:
+    """A DoRA adapter's magnitude vectors ({} for a plain LoRA adapter)."""
+    return weights.magnitudes if isinstance(weights, DoraWeights) else {}
+
+
 class AdapterSource(Protocol):
     @property
     def manifest(self) -> AdapterManifest: ...
@@ -99,11 +113,15 @@ def _pairs(tensors: dict[str, torch.Tensor], manifest: AdapterManifest, dtype: t
         if key is None:  # the digest matched, so inspect_adapter accepted these very names
             raise AdapterError(f"{WEIGHTS_FILE}: unexpected tensor {name[:200]!r}")
         layer, module, part = key
-        pairs.setdefault((layer, module), {})[part] = tensor.to(dtype)
-    return {
+        pairs.setdefault((layer, module), {})[part] = tensor.to(torch.float32 if part == "M" else dtype)
+    weights = {
         (m.layer, m.module): (pairs[(m.layer, m.module)]["A"], pairs[(m.layer, m.module)]["B"])
         for m in manifest.modules
     }
+    if not manifest.dora:
+        return weights
+    magnitudes = {(m.layer, m.module): pairs[(m.layer, m.module)]["M"] for m in manifest.modules}
+    return DoraWeights(weights, magnitudes)
 
 
 class AdapterFetcher:

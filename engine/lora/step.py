@@ -59,6 +59,7 @@ class Stack:
     a: torch.Tensor  # [L, G, in, R] A^T, ranks zero-padded to R
     b: torch.Tensor  # [L, G, R, out] scaled B^T
     slots_device: torch.Tensor  # [G] int64 the slots again, to pick their row counts on the device
+    scale: torch.Tensor | None = None  # [L, G, out] DoRA g - 1 (0 for plain adapters); None: no DoRA
 
 
 Derived = TypeVar("Derived")
@@ -90,8 +91,11 @@ class GroupPlan:
     order: torch.Tensor | None  # [T_a] rows of their tokens grouped by adapter (None: all rows, in order)
     offsets: torch.Tensor  # [G] int32 row ends within order
     counts: list[int]
-    # [T_a] each row's adapter (0..G-1) when the rows are few per adapter (reference.lora_grouped)
+    # [T_a] each row's adapter (0..G-1) when the rows are few per adapter (reference.lora_grouped),
+    # or when a DoRA scale needs it
     row_groups: torch.Tensor | None = None
+    scale: torch.Tensor | None = None  # [L, G, out] DoRA g - 1 (Stack.scale)
+    scale_groups: torch.Tensor | None = None  # [T_a] each row's adapter, with a scale
 
 
 class LoraStep:
@@ -101,9 +105,11 @@ class LoraStep:
     def __call__(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
         plan = self.plans.get(group)
         if plan is not None:
+            scale = None if plan.scale is None else plan.scale[layer]
             reference.lora_grouped(
-                x, y, plan.a[layer], plan.b[layer], plan.order, plan.offsets, plan.counts, plan.row_groups
-            )
+                x, y, plan.a[layer], plan.b[layer], plan.order, plan.offsets, plan.counts, plan.row_groups,
+                scale, plan.scale_groups,
+            )  # fmt: skip
 
 
 class LoraStacker:
@@ -148,7 +154,14 @@ class LoraStacker:
                 a[:, i, :, : pa.shape[1]] = pa.transpose(1, 2)
                 b[:, i, : pb.shape[1]] = pb
             slots_device = torch.tensor(slots, dtype=torch.long, device=pool_rows.device)
-            stacks[group] = Stack(slots, a, b, slots_device)
+            scale = None
+            d_rows = [getattr(m, "d_rows", {}).get(group) for m in members]  # DoRA adapters have them
+            if any(d is not None for d in d_rows):  # every member's g - 1 (0: a plain LoRA adapter)
+                scale = pool_rows.new_zeros(layers, len(slots), width_out, dtype=self.dtype)
+                for i, d in enumerate(d_rows):
+                    if d is not None:
+                        scale[:, i] = reference.gather_rows(pool_rows, d)
+            stacks[group] = Stack(slots, a, b, slots_device, scale)
         return stacks
 
 
@@ -174,10 +187,13 @@ def _grouped_rows(lora: LoraBatch, stack: Stack) -> GroupPlan:
 def _group_plan(lora: LoraBatch, stack: Stack) -> GroupPlan:
     """The group's plan; when its rows are few per adapter (decodes), also each row's adapter."""
     plan = _grouped_rows(lora, stack)
-    if sum(plan.counts) <= ROWS_PER_ADAPTER_FOR_BATCHED_ROWS * len(plan.counts):
+    few = sum(plan.counts) <= ROWS_PER_ADAPTER_FOR_BATCHED_ROWS * len(plan.counts)
+    if few or stack.scale is not None:
         device = stack.a.device
         counts = torch.tensor(plan.counts, device=device)
-        plan.row_groups = torch.repeat_interleave(torch.arange(len(plan.counts), device=device), counts)
+        groups = torch.repeat_interleave(torch.arange(len(plan.counts), device=device), counts)
+        plan.row_groups = groups if few else None
+        plan.scale, plan.scale_groups = stack.scale, groups
     return plan
 
 
@@ -193,9 +209,9 @@ class KernelLoraStep:
         decode_slots: torch.Tensor | None,  # [D] int32 slot of each decode row (-1: none); None: no LoRA
         segments: LoraSegments | None,  # the prefill chunks; None: none of them has an adapter
     ):
-        from ..kernels import lora_expand, lora_shrink
+        from ..kernels import lora_dora, lora_expand, lora_shrink
 
-        self._shrink, self._expand = lora_shrink, lora_expand
+        self._shrink, self._expand, self._dora = lora_shrink, lora_expand, lora_dora
         self.pool_rows = pool_rows
         self.num_decodes = num_decodes
         self.decodes = decode_slots is not None
@@ -210,9 +226,13 @@ class KernelLoraStep:
         if self.decodes:
             shrunk = self._shrink.lora_shrink_tokens(x[:d], pool, meta, layer)
             self._expand.lora_expand_tokens(y[:d], shrunk, pool, meta, layer)
+            if meta.d_starts is not None:  # a DoRA adapter in the step: scale its rows (lora/dora.py)
+                self._dora.lora_dora_scale_tokens(y[:d], pool, meta, layer)
         if self.prefills:
             shrunk = self._shrink.lora_shrink_segments(x[d:], pool, meta, layer)
             self._expand.lora_expand_segments(y[d:], shrunk, pool, meta, layer)
+            if meta.d_starts is not None:
+                self._dora.lora_dora_scale_segments(y[d:], pool, meta, layer)
 
 
 def kernel_meta(
@@ -232,6 +252,7 @@ def kernel_meta(
         seg_starts=None if segments is None else segments.starts,
         seg_slot=None if segments is None else segments.slots,
         max_seg_len=None if segments is None else segments.longest,
+        d_starts=tables.d_starts if tables.dora else None,
     )
 
 

@@ -9,6 +9,10 @@ columns it writes, so the tables keep one number per stacked row instead of one 
 Those numbers (`RowMeta`) are derived once per adapter, when it is loaded, and written into persistent
 per-group tables where the adapter owns a range of columns while it stays resident (`ResidentTables`).
 A step then needs only its adapters' range starts and ranks (`slot_start`, `slot_rank`).
+
+DoRA adapters (lora/dora.py) add one number per layer: the pool row where that layer's g - 1 row of the
+group begins, kept in `d_starts` at the first column of the adapter's range (0, the zero row: no scale,
+as for every plain LoRA adapter and every layer a DoRA adapter skips).
 """
 
 from __future__ import annotations
@@ -52,6 +56,9 @@ class LoraTables:
     slot_start: torch.Tensor  # [S] int32
     slot_rank: torch.Tensor  # [S] int32
     max_rank: int  # max(slot_rank), known on the host so launches need no device sync
+    # [L, C] int64: at a DoRA adapter's first column, the pool row of its g - 1 row per layer (0: none)
+    d_starts: torch.Tensor | None = None
+    dora: bool = False  # whether a slot's adapter is a DoRA one (host-known: the scale runs only then)
 
 
 @dataclass(frozen=True)
@@ -63,6 +70,7 @@ class RowMeta:
     b_starts: torch.Tensor  # [L, C] int64
     b_cols: torch.Tensor  # [L, C] int32
     b_widths: torch.Tensor  # [L, C] int32 (0: a padding row)
+    d_starts: torch.Tensor | None = None  # [L] int64 DoRA: each layer's g - 1 row start (0: none)
 
     @property
     def rank(self) -> int:
@@ -70,10 +78,16 @@ class RowMeta:
 
 
 def row_meta(
-    a_rows: torch.Tensor, b_rows: torch.Tensor, group: str, base: BaseShape, head_dim: int
+    a_rows: torch.Tensor,
+    b_rows: torch.Tensor,
+    group: str,
+    base: BaseShape,
+    head_dim: int,
+    d_rows: torch.Tensor | None = None,
 ) -> RowMeta:
     """The RowMeta of one adapter's pool rows in `group`: a_rows [L, C, in / head_dim], b_rows
-    [L, C, out / head_dim], physical pool rows (NULL_ROW for the zero row)."""
+    [L, C, out / head_dim], physical pool rows (NULL_ROW for the zero row); a DoRA adapter's d_rows
+    [L, out / head_dim] (its g - 1 rows, consecutive pool rows where a layer has one)."""
     if b_rows.shape[2] * head_dim != group_width(base, group)[1]:
         raise ValueError(f"{group} B rows span {b_rows.shape[2]} head_dim rows; base shape disagrees")
     b_starts = torch.zeros(b_rows.shape[:2], dtype=torch.long, device=b_rows.device)
@@ -90,12 +104,17 @@ def row_meta(
         b_cols.masked_fill_(owns, column)
         b_widths.masked_fill_(owns, width)
         column += width
-    return RowMeta(a_rows[:, :, 0].long().contiguous(), b_starts, b_cols, b_widths)
+    d_starts = None if d_rows is None else d_rows[:, 0].long().contiguous()
+    return RowMeta(a_rows[:, :, 0].long().contiguous(), b_starts, b_cols, b_widths, d_starts)
 
 
 def adapter_meta(adapter: AdapterRows, base: BaseShape, head_dim: int) -> dict[str, RowMeta]:
     """RowMeta for every group the adapter adapts."""
-    return {g: row_meta(adapter.a_rows[g], adapter.b_rows[g], g, base, head_dim) for g in adapter.a_rows}
+    d_rows: Mapping[str, torch.Tensor] = getattr(adapter, "d_rows", {})  # DoRA adapters only
+    return {
+        g: row_meta(adapter.a_rows[g], adapter.b_rows[g], g, base, head_dim, d_rows.get(g))
+        for g in adapter.a_rows
+    }
 
 
 class _GroupTable:
@@ -110,6 +129,8 @@ class _GroupTable:
         self.b_starts = torch.zeros_like(self.a_starts)
         self.b_cols = torch.zeros(num_layers, capacity, dtype=torch.int32, device=device)
         self.b_widths = torch.zeros_like(self.b_cols)
+        self.d_starts = torch.zeros_like(self.a_starts)
+        self.dora: set[str] = set()  # the resident DoRA adapters
         self.free: list[tuple[int, int]] = [(0, capacity)]  # (start, size), ascending, coalesced
         self.freed: list[tuple[int, int]] = []  # free ranges whose columns still hold a former adapter's
         self.ranges: dict[str, tuple[int, int]] = {}
@@ -126,18 +147,22 @@ class _GroupTable:
         self.b_starts[:, start:end] = meta.b_starts
         self.b_cols[:, start:end] = meta.b_cols
         self.b_widths[:, start:end] = meta.b_widths
+        if meta.d_starts is not None:
+            self.d_starts[:, start] = meta.d_starts
+            self.dora.add(name)
         self.ranges[name] = (start, meta.rank)
 
     def remove(self, name: str) -> None:
         """Free the adapter's columns: bookkeeping, no device write (no step reads them any more)."""
         start, size = self.ranges.pop(name)
+        self.dora.discard(name)
         self.free = _coalesce([*self.free, (start, size)])
         self.freed.append((start, size))
 
     def clear_freed(self) -> None:
         """Zero the columns freed since the last call (device writes)."""
         for start, size in self.freed:
-            for table in (self.a_starts, self.b_starts, self.b_cols, self.b_widths):
+            for table in (self.a_starts, self.b_starts, self.b_cols, self.b_widths, self.d_starts):
                 table[:, start : start + size] = 0
         self.freed.clear()
 
@@ -153,7 +178,7 @@ class _GroupTable:
         """Reallocate at `capacity` columns (an adapter load, never a step: the residency's version
         changes with the load, so no step keeps the old tensors)."""
         old = self.capacity
-        for attr in ("a_starts", "b_starts", "b_cols", "b_widths"):
+        for attr in ("a_starts", "b_starts", "b_cols", "b_widths", "d_starts"):
             table = getattr(self, attr)
             grown = table.new_zeros(table.shape[0], capacity)
             grown[:, :old] = table
@@ -231,6 +256,8 @@ class ResidentTables:
                 slot_start=slots[i, 0],
                 slot_rank=slots[i, 1],
                 max_rank=max(ranks),
+                d_starts=table.d_starts,
+                dora=any(n in table.dora for n in names),
             )
             for i, (group, table, _, ranks) in enumerate(used)
         }

@@ -82,7 +82,7 @@ def edit_config(directory: Path, **changes) -> None:  # type: ignore[no-untyped-
 @pytest.mark.parametrize(
     "changes,message",
     [
-        ({"use_dora": True}, "use_dora: DoRA"),
+        ({"use_dora": True}, "layer 0 q: lora_magnitude_vector is missing .* \\(use_dora is true\\)"),
         ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
         ({"bias": "all"}, "bias 'all' is not supported"),
         ({"target_modules": ["embed_tokens"]}, "'embed_tokens' is an embedding"),
