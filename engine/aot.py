@@ -233,7 +233,8 @@ def _chunks(step: StepShape) -> list[_Chunk]:
 
 def _lora_tables(step: StepShape, names: Sequence[str], layers: int) -> dict[str, Any]:
     """Every group's tables for `names`, all of rank step.rank, as meta tensors (shapes are all the
-    kernels see of them)."""
+    kernels see of them). They say a DoRA adapter is among them, so the DoRA scale kernels
+    (kernels/lora_dora.py) are recorded at every LoRA step too; the other launches are the same."""
     from .lora.tables import LoraTables
 
     meta = torch.device("meta")
@@ -246,6 +247,8 @@ def _lora_tables(step: StepShape, names: Sequence[str], layers: int) -> dict[str
         slot_start=torch.empty(len(names), dtype=torch.int32, device=meta),
         slot_rank=torch.empty(len(names), dtype=torch.int32, device=meta),
         max_rank=step.rank,
+        d_starts=torch.empty(layers, rows, dtype=torch.int64, device=meta),
+        dora=True,
     )
     return {group: table for group in ("qkv", "o", "gate_up", "down")}
 
