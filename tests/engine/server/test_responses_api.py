@@ -80,7 +80,11 @@ def test_text_for_the_adapter_and_the_base_model_matches_chat(server: Server) ->
 
 def test_stream_events_in_order_and_the_sdk_stream_helper(server: Server) -> None:
     sdk = client(server)
-    body: dict[str, Any] = {"model": BASE, "input": "Say hello.", "max_output_tokens": 24, "temperature": 0}
+    # A stop string (an extension, as vLLM's) ends the greeting well before max_output_tokens: completed.
+    body: dict[str, Any] = {
+        "model": BASE, "input": "Say hello.", "max_output_tokens": 24, "temperature": 0,
+        "extra_body": {"stop": ["!"]},
+    }  # fmt: skip
     whole = sdk.responses.create(**body)
     events = list(sdk.responses.create(**body, stream=True))
     kinds = [e.type for e in events]
@@ -99,11 +103,16 @@ def test_stream_events_in_order_and_the_sdk_stream_helper(server: Server) -> Non
     assert events[-1].response.usage.output_tokens == whole.usage.output_tokens
     assert events[0].response.status == "in_progress" and events[0].response.id == events[-1].response.id
 
-    if whole.status == "completed":  # the SDK's helper wants response.completed, as OpenAI's streams end
-        with sdk.responses.stream(**body) as stream:
-            texts = [e.delta for e in stream if e.type == "response.output_text.delta"]
-            final = stream.get_final_response()
-        assert "".join(texts) == final.output_text == whole.output_text
+    assert whole.status == "completed", whole.output_text
+    with sdk.responses.stream(**body) as stream:  # the SDK's helper accumulates the events
+        texts = [e.delta for e in stream if e.type == "response.output_text.delta"]
+        final = stream.get_final_response()
+    assert "".join(texts) == final.output_text == whole.output_text
+
+    cut = list(sdk.responses.create(**{**body, "max_output_tokens": 3}, stream=True))
+    assert cut[-1].type == "response.incomplete" and cut[-1].response.status == "incomplete"
+    assert cut[-1].response.incomplete_details.reason == "max_output_tokens"
+    assert cut[-2].type == "response.output_item.done" and cut[-2].item.status == "incomplete"
 
 
 def test_function_tool_round_trip(server: Server) -> None:
