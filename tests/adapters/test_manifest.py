@@ -191,3 +191,70 @@ def test_adapter_for_smollm2_fits_its_gqa_and_mlp_widths(tmp_path: Path) -> None
     manifest = inspect_adapter(tmp_path / "smol", shape)
     assert len(manifest.modules) == 30 * 7
     assert manifest.num_parameters == 30 * 8 * sum(sum(shape.features(m)) for m in MODULES)
+
+
+@pytest.fixture(scope="module")
+def dora_adapter(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A PEFT DoRA adapter (use_dora) for the tiny Llama: lora_magnitude_vector beside A and B."""
+    from .conftest import make_peft_adapter
+
+    directory = tmp_path_factory.mktemp("dora") / "dora"
+    make_peft_adapter(
+        directory, seed=5, r=4, lora_alpha=8, target_modules=["q_proj", "gate_proj"], use_dora=True
+    )
+    return directory
+
+
+def test_dora_adapter_is_accepted_with_its_magnitudes(dora_adapter: Path) -> None:
+    from safetensors.torch import load_file
+
+    from loraplex.engine.lora.sources import DirectorySource, magnitudes_of
+
+    manifest = inspect_adapter(dora_adapter, TINY_SHAPE)
+    assert manifest.dora and all(m.dora for m in manifest.modules)
+    assert {(m.layer, m.module) for m in manifest.modules} == {(0, "q"), (0, "gate"), (1, "q"), (1, "gate")}
+    assert manifest.num_parameters == sum(
+        m.rank * (m.in_features + m.out_features) + m.out_features for m in manifest.modules
+    )
+    tensors = load_file(str(dora_adapter / WEIGHTS_FILE))
+    magnitudes = magnitudes_of(DirectorySource.open(dora_adapter, TINY_SHAPE).load(torch.bfloat16))
+    for (layer, module), m in magnitudes.items():
+        path = "self_attn.q_proj" if module == "q" else "mlp.gate_proj"
+        saved = tensors[f"base_model.model.model.layers.{layer}.{path}.lora_magnitude_vector"]
+        assert m.dtype == torch.float32 and torch.equal(m, saved)  # float32 whatever A and B are read in
+
+
+def test_dora_magnitudes_are_checked(dora_adapter: Path, tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    name = "base_model.model.model.layers.1.mlp.gate_proj.lora_magnitude_vector"
+    plain = copy_adapter(dora_adapter, tmp_path / "plain")
+    edit_config(plain, use_dora=False)
+    with pytest.raises(
+        AdapterError, match=r"is a DoRA magnitude vector, but adapter_config\.json does not set"
+    ):
+        inspect_adapter(plain, TINY_SHAPE)
+
+    def rewritten(directory: Path, edit) -> Path:  # type: ignore[no-untyped-def]
+        tensors = load_file(str(directory / WEIGHTS_FILE))
+        edit(tensors)
+        save_file(tensors, str(directory / WEIGHTS_FILE))
+        return directory
+
+    older = rewritten(
+        copy_adapter(dora_adapter, tmp_path / "older"), lambda t: t.update({f"{name}.weight": t.pop(name)})
+    )
+    assert inspect_adapter(older, TINY_SHAPE).dora  # PEFT before 0.12 saved it with .weight
+    both = rewritten(
+        copy_adapter(older, tmp_path / "both"), lambda t: t.update({name: t[f"{name}.weight"] * 2})
+    )
+    with pytest.raises(AdapterError, match="are both layer 1 gate lora_magnitude_vector"):
+        inspect_adapter(both, TINY_SHAPE)
+    short = rewritten(copy_adapter(dora_adapter, tmp_path / "short"), lambda t: t.update({name: t[name][:5]}))
+    with pytest.raises(
+        AdapterError, match=r"layer 1 gate: lora_magnitude_vector has shape \[5\], .* needs \[96\]"
+    ):
+        inspect_adapter(short, TINY_SHAPE)
+    missing = rewritten(copy_adapter(dora_adapter, tmp_path / "missing"), lambda t: t.pop(name))
+    with pytest.raises(AdapterError, match=r"layer 1 gate: lora_magnitude_vector is missing"):
+        inspect_adapter(missing, TINY_SHAPE)
