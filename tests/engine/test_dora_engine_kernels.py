@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+import pytest
 import torch
 
 from loraplex.adapters import AdapterManifest
@@ -18,6 +19,7 @@ from loraplex.engine.lora.sources import DoraWeights, LoraWeights
 from loraplex.engine.lora.synthetic import SyntheticAdapter
 from loraplex.engine.model.loader import load_model
 
+pytestmark = pytest.mark.slow  # the interpreter runs every kernel of a few dozen steps
 _GROUP_OF = {module: group for group, modules in GROUPS.items() for module in modules}
 
 
