@@ -133,7 +133,7 @@ def inspect_adapter(directory: str | Path, base: BaseShape) -> AdapterManifest:
         full = module_name(layer, module)
         rank = config.rank_of(full)
         in_features, out_features = base.features(module)
-        parts = [("A", (rank, in_features)), ("B", (out_features, rank))]
+        parts: list[tuple[str, tuple[int, ...]]] = [("A", (rank, in_features)), ("B", (out_features, rank))]
         if config.use_dora:
             parts.append(("M", (out_features,)))
         for part, expected in parts:

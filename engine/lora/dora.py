@@ -16,6 +16,7 @@ kernels/lora_dora.py); rows of plain adapters and base rows are not touched.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import cast
 
 import torch
 
@@ -66,10 +67,13 @@ def dora_scales(
 def served_base_weights(model: torch.nn.Module) -> BaseWeights:
     """The BaseWeights of a loaded LlamaModel (engine/model/llama.py): its fused projections in float32,
     dequantized where they are quantized."""
+    from ..model.llama import DecoderLayer
     from ..model.quant import QuantizedWeight, dequantize
 
+    layers = cast(torch.nn.ModuleList, model.layers)
+
     def weight(layer: int, group: str) -> torch.Tensor:
-        decoder = model.layers[layer]
+        decoder = cast(DecoderLayer, layers[layer])
         if group == "qkv" and decoder.qkv_bias is not None:
             raise AdapterError(
                 "use_dora: DoRA on projections with a bias (this base model's q, k and v) is not supported"

@@ -126,14 +126,14 @@ def pack_adapter(
         dtype = chunks[0].dtype
         for layer, group in dora_groups(manifest):
             out_width = group_width(base, group)[1]
-            row = torch.zeros(1, out_width, dtype=torch.float32)
+            scale_row = torch.zeros(1, out_width, dtype=torch.float32)
             column = 0
             for module in GROUPS[group]:
                 width = base.features(module)[1]
                 if (layer, module) in by_module:
-                    row[0, column : column + width] = scales[(layer, module)]
+                    scale_row[0, column : column + width] = scales[(layer, module)]
                 column += width
-            place(row.to(dtype))
+            place(scale_row.to(dtype))
             index = d_rows.setdefault(
                 group, torch.full((base.num_layers, out_width // head_dim), -1, dtype=torch.long)
             )
