@@ -21,6 +21,7 @@ adapter skips) and a 16-bit pool keeps g's precision near 1, where it always is.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -55,6 +56,8 @@ class PackedAdapter:
     b_rows: dict[str, torch.Tensor]  # group -> [layers, C, out / head_dim] virtual rows (-1: zero row)
     # DoRA only: group -> [layers, out / head_dim] virtual rows of each layer's g - 1 (-1: zero row)
     d_rows: dict[str, torch.Tensor] = field(default_factory=dict)
+    # DoRA weights whose scales are still to be computed on the device (lora/loader.py), else None
+    dora_pending: Mapping[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def pages_needed(self, rows_per_page: int) -> int:
         return -(-self.num_rows // rows_per_page)
@@ -68,9 +71,9 @@ def pack_adapter(
     rows_per_page: int,
     scales: dict[tuple[int, str], torch.Tensor] | None = None,
 ) -> PackedAdapter:
-    """Lay out A and scaled B^T of every adapted module; build each group's gather indices. `scales`
-    (a DoRA adapter's): (layer, module) -> h = g - 1 [out] of every adapted module, laid out after them
-    as one row of the group's width per layer and group (`dora_groups`)."""
+    """Lay out A and scaled B^T of every adapted module; build each group's gather indices. A DoRA
+    adapter's `scales`, (layer, module) -> h = g - 1 [out] of every adapted module, are laid out after
+    them as one row of the group's width per layer and group (`dora_groups`; zeros while None)."""
     for width in (base.hidden_size, base.intermediate_size, base.q_size, base.kv_size):
         if width % head_dim:
             raise ValueError(f"projection width {width} is not a multiple of head_dim {head_dim}")
@@ -122,7 +125,7 @@ def pack_adapter(
         a_rows[group], b_rows[group] = a_index, b_index
 
     d_rows: dict[str, torch.Tensor] = {}
-    if scales is not None:
+    if manifest.dora:  # without `scales`, zeros for now (the loader fills them in: lora/loader.py)
         dtype = chunks[0].dtype
         for layer, group in dora_groups(manifest):
             out_width = group_width(base, group)[1]
@@ -130,7 +133,7 @@ def pack_adapter(
             column = 0
             for module in GROUPS[group]:
                 width = base.features(module)[1]
-                if (layer, module) in by_module:
+                if (layer, module) in by_module and scales is not None:
                     scale_row[0, column : column + width] = scales[(layer, module)]
                 column += width
             place(scale_row.to(dtype))

@@ -20,6 +20,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 
@@ -75,6 +76,9 @@ class AdapterLoader:
     ):
         self.registry = registry
         self.base_weights = base_weights
+        # DoRA scales are computed by the packer (the prefetch worker) when the base weights are in host
+        # memory; with CUDA weights, on the first load instead (_fill_dora_scales says why).
+        self.scales_in_background = not pool_rows.is_cuda
         self.pool_rows = pool_rows
         self.base = base
         self.head_dim = pool_rows.shape[1]
@@ -150,6 +154,13 @@ class AdapterLoader:
             log.warning("adapter %s could not be fetched: %s", load.name, error)
             reason = f"the adapter store could not be read: {type(error).__name__}: {error}"
             return LoadFailure(load.name, reason, at_fault=False)
+        if packed.dora_pending is not None:
+            try:
+                self._fill_dora_scales(load.source, packed)
+            except ValueError as error:  # AdapterError among them: a scale that is not finite
+                log.warning("adapter %s failed to load: %s", load.name, error)
+                self.host.discard(load.name)
+                return LoadFailure(load.name, str(error), at_fault=True)
         device = self.pool_rows.device
         rows = physical_rows(packed.data_rows, load.pages, self.rows_per_page).to(device)
         self.pool_rows.index_copy_(0, rows, packed.data.to(device, self.pool_rows.dtype, non_blocking=True))
@@ -178,10 +189,13 @@ class AdapterLoader:
             if source.manifest.dora:
                 if self.base_weights is None:
                     raise AdapterError("use_dora: this engine has no base weights to compute DoRA scales")
-                scales = dora_scales(source.manifest, weights, self.base, self.base_weights)
+                if self.scales_in_background:
+                    scales = dora_scales(source.manifest, weights, self.base, self.base_weights)
             packed = pack_adapter(
                 source.manifest, weights, self.base, self.head_dim, self.rows_per_page, scales
             )
+            if source.manifest.dora and scales is None:
+                packed.dora_pending = weights
             if not bool(torch.isfinite(packed.data).all()):
                 raise AdapterError(
                     "the adapter's B matrices overflow when scaled by lora_alpha / r in this engine's "
@@ -192,6 +206,21 @@ class AdapterLoader:
             return packed
 
         return pack
+
+    def _fill_dora_scales(self, source: AdapterSource, packed: PackedAdapter) -> None:
+        """Compute a DoRA adapter's scales against the base weights on the device, and write them into
+        its host copy (once: later loads of that copy copy them as they are). Here, on the engine's
+        thread between steps, never in the prefetch worker: device work from another thread could land
+        inside a CUDA graph capture."""
+        assert packed.dora_pending is not None and self.base_weights is not None
+        weights = cast(LoraWeights, packed.dora_pending)  # the DoraWeights the packer was given
+        scales = dora_scales(source.manifest, weights, self.base, self.base_weights)
+        filled = pack_adapter(source.manifest, weights, self.base, self.head_dim, self.rows_per_page, scales)
+        data = filled.data.to(packed.data.dtype)
+        if not bool(torch.isfinite(data).all()):
+            raise AdapterError(f"the adapter's DoRA scales overflow in this engine's dtype ({data.dtype})")
+        packed.data = data.pin_memory() if packed.data.is_pinned() else data
+        packed.dora_pending = None
 
 
 def check_finite(weights: LoraWeights) -> None:

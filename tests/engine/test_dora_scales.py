@@ -79,3 +79,34 @@ def test_dora_on_a_biased_qkv_is_refused_by_name() -> None:
     with pytest.raises(AdapterError, match="use_dora: DoRA on projections with a bias"):
         weights(0, "qkv")
     assert weights(0, "o").shape == (config.hidden_size, config.q_size)
+
+
+@pytest.mark.parametrize("in_background", [True, False])
+def test_scales_computed_once_in_the_packer_or_at_the_first_load(in_background: bool) -> None:
+    """With host weights the packer computes the scales; otherwise (CUDA weights) the first load does,
+    on the engine's thread, into the host copy, which later loads reuse: the pool gets the same rows."""
+    from loraplex.engine import EngineConfig, LLMEngine
+    from loraplex.engine.kernels import reference
+    from tests.engine.test_dora_engine_kernels import SyntheticDora
+
+    loaded = load_model("random:tiny", torch.float32, "cpu", seed=3)
+    config = EngineConfig(model="random:tiny", device="cpu", dtype="float32", num_pages=16, page_size=16)
+    engine = LLMEngine(config, loaded=loaded)
+    engine.loader.scales_in_background = in_background
+    base = loaded.config.lora_shape()
+    source = SyntheticDora(
+        SyntheticAdapter(base, seed=1, rank=4, targets=TARGETS, strength=1.0), loaded.model
+    )
+    engine.register_adapter("d", source)
+    assert engine.warm_adapter("d") == "device"
+    packed = engine.loader.host.get("d", lambda: pytest.fail("the host copy is kept"))
+    assert packed.dora_pending is None
+    resident = engine.loader.resident["d"]
+    got = {g: reference.gather_rows(engine.loader.pool_rows, rows) for g, rows in resident.d_rows.items()}
+    weights = source.load(torch.float32)
+    scales = dora_scales(source.manifest, weights, base, served_base_weights(loaded.model))
+    q, kv = base.q_size, base.kv_size
+    for layer in range(base.num_layers):
+        torch.testing.assert_close(got["qkv"][layer, q : q + kv], scales[(layer, "k")])
+        torch.testing.assert_close(got["down"][layer], scales[(layer, "down")])
+    assert got["qkv"][:, :q].abs().max() == 0
