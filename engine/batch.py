@@ -420,7 +420,10 @@ class BatchBuilder:
             if i < len(scored) and scored[i]:
                 scored_rows.extend(range(row, row + scored[i]))
             request, start, end = chunk.request, chunk.start, chunk.end
-            ids.extend(request.tokens(start, end))
+            # A speculative chunk's last tokens are its draft (engine/speculative.py), not the request's yet.
+            draft: Sequence[int] = getattr(chunk, "draft", ())
+            ids.extend(request.tokens(start, end - len(draft)))
+            ids.extend(draft)
             pages = request.pages
             if end - start == 1:
                 positions.append(start)

@@ -172,6 +172,26 @@ class EngineConfig:
             choices=("auto", "on", "off"),
         ),
     ] = "auto"
+    speculative: Annotated[
+        str,
+        Opt(
+            "speculative decoding: ngram drafts each decode's next tokens from its own prompt and output "
+            "(prompt lookup: the tokens after the last earlier occurrence of its last n tokens) and "
+            "verifies them in one forward with the request's own adapter; greedy outputs are unchanged, "
+            "sampled ones keep their distribution (rejection sampling); requests may turn it off "
+            "(num_speculative_tokens 0)",
+            choices=("off", "ngram"),
+        ),
+    ] = "off"
+    num_speculative_tokens: Annotated[
+        int, Opt("draft tokens per decode at most, with speculative decoding", minimum=1, maximum=32)
+    ] = 8
+    prompt_lookup_max: Annotated[
+        int, Opt("longest n-gram the ngram drafts match (tried first)", minimum=1, maximum=16)
+    ] = 3
+    prompt_lookup_min: Annotated[
+        int, Opt("shortest n-gram the ngram drafts match", minimum=1, maximum=16)
+    ] = 1
     seed: Annotated[
         int,
         Opt(
@@ -198,6 +218,11 @@ class EngineConfig:
             raise ValueError(
                 f"max_batch_tokens ({self.max_batch_tokens}) must be at least max_num_seqs "
                 f"({self.max_num_seqs}) so every running request can decode in one step"
+            )
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"prompt_lookup_min ({self.prompt_lookup_min}) must be at most prompt_lookup_max "
+                f"({self.prompt_lookup_max})"
             )
 
     def torch_device(self) -> torch.device:

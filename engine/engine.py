@@ -17,7 +17,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +56,7 @@ from .request import OutputState, Request, RequestOutput, RequestStatus, Samplin
 from .runner import ModelRunner, StepHandle, free_device_bytes
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledChunk, Scheduler, StepPlan
+from .speculative import NgramProposer
 from .stats import AdapterFacts, AdapterInfo, AdapterReport, EngineStats
 from .stopping import StopChecker, next_delta
 from .warmup import warm_up
@@ -168,6 +169,13 @@ class LLMEngine:
             stop=StopChecker(eos, self.max_model_len),
             queue=queue,
             prefix_cache=self.prefix_cache,
+            proposer=(
+                NgramProposer(
+                    config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max
+                )
+                if config.speculative == "ngram"
+                else None
+            ),
         )
         use_kernels = config.use_kernels(device)
         stacker = KernelLoraStacker(self.loader) if use_kernels else LoraStacker(self.loader)
@@ -508,6 +516,7 @@ class LLMEngine:
             host_cache_waits=host.stats.waits,
             host_cache_misses=host.stats.misses,
             prefix=self.prefix_cache.stats(),
+            spec=replace(self.scheduler.spec) if self.scheduler.proposer is not None else None,
         )
 
     def adapter_report(self) -> AdapterReport:
@@ -534,10 +543,12 @@ class LLMEngine:
         return outputs
 
     def _constrained(self) -> bool:
-        """Whether a queued request has a grammar. Its next mask needs its last token on the host, which a
-        pipelined step is planned without: such steps run the plain way (the simplest correct rule)."""
+        """Whether a queued request has a grammar, or may draft (speculative decoding). A grammar's next
+        mask, like a draft, needs the request's last token on the host, which a pipelined step is planned
+        without: such steps run the plain way (the simplest correct rule)."""
         queued = itertools.chain(self.scheduler.running, self.scheduler.waiting)
-        return any(request.sampling.grammar is not None for request in queued)
+        drafts = self.scheduler.proposer is not None
+        return any(r.sampling.grammar is not None or (drafts and r.may_draft) for r in queued)
 
     def _settle(self) -> list[RequestOutput]:
         """Land the step in flight, if any (pipelining stops): no token is pending after this."""
@@ -607,7 +618,8 @@ class LLMEngine:
         if handle is None:
             return outputs
         tokens = handle.tokens()  # logprobs and kept logits land on the requests
-        return outputs + self._outputs_of(self.scheduler.postprocess(handle.plan, tokens))
+        landed = self.scheduler.postprocess(handle.plan, tokens, handle.accepted())
+        return outputs + self._outputs_of(landed)
 
     def _land(self, flight: StepHandle, successor: StepHandle | None) -> tuple[list[RequestOutput], bool]:
         """Read the step in flight's tokens (its one copy) and postprocess it. If it failed (a row not
@@ -622,7 +634,7 @@ class LLMEngine:
                 self.scheduler.rollback(successor.plan)
             self.scheduler.rollback(flight.plan)
             return self._run(flight.plan.keeping(_running)), False
-        return self._outputs_of(self.scheduler.land(flight.plan, tokens)), True
+        return self._outputs_of(self.scheduler.land(flight.plan, tokens, flight.accepted())), True
 
     def _check_progress(self, outputs: list[RequestOutput]) -> None:
         if self.scheduler.waiting and not self.scheduler.running and not outputs:

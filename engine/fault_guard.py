@@ -27,6 +27,7 @@ from .lora.registry import AdapterRegistry
 from .prompt_logprobs import PromptScores
 from .request import Request, RequestOutput
 from .runner import ModelRunner, NonFiniteLogits, StepHandle
+from .sampler import DraftLogits
 from .scheduler import ScheduledChunk, Scheduler, StepPlan
 
 log = logging.getLogger(__name__)
@@ -49,8 +50,8 @@ class FaultGuard:
     ) -> StepHandle:
         """Queue the plan's (ordered) forward and sampling; nothing is read. The requests whose rows
         cannot be sampled end (their outputs appended to `outputs`) and leave the handle's plan."""
-        logits, finite, scores = self.runner.forward(plan.chunks, feed)
-        return self.sample(plan, logits, finite, outputs, scores)
+        logits, finite, scores, drafts = self.runner.forward(plan.chunks, feed)
+        return self.sample(plan, logits, finite, outputs, scores, drafts)
 
     def run(
         self, plan: StepPlan, failed: Exception | None = None
@@ -74,9 +75,9 @@ class FaultGuard:
             chunks, survived = self.isolate(plan.chunks, error, outputs)
             if survived is None:
                 return None, outputs
-            logits, scores = survived
+            logits, scores, drafts = survived
             try:
-                handle = self.sample(plan.with_chunks(chunks), logits, None, outputs, scores)
+                handle = self.sample(plan.with_chunks(chunks), logits, None, outputs, scores, drafts)
             except Exception as still:  # no row explains it: the step's failure, after what it ended
                 raise StepError(still, outputs) from still
         return handle, outputs
@@ -88,6 +89,7 @@ class FaultGuard:
         finite: torch.Tensor | None,
         outputs: list[RequestOutput],
         scores: PromptScores | None = None,
+        drafts: DraftLogits | None = None,
     ) -> StepHandle:
         """Sample the plan's sampling rows of logits [S, V] (`finite` [S]: the step's unread finite flags,
         if any; `scores`: the forward's prompt scores, landing with the tokens), inside each request's
@@ -97,7 +99,7 @@ class FaultGuard:
         alone is raised."""
         requests = plan.sampling
         try:
-            return self.runner.sample(plan, logits, finite, scores=scores)
+            return self.runner.sample(plan, logits, finite, scores=scores, drafts=drafts)
         except Exception as error:
             reasons = {i: self.runner.sampling_failure(logits, i, r) for i, r in enumerate(requests)}
             failing = {i: why for i, why in reasons.items() if why is not None}
@@ -111,11 +113,11 @@ class FaultGuard:
         ended = {requests[i].request_id for i in failing}
         kept = [i for i in range(len(requests)) if i not in failing]
         rest = plan.keeping(lambda chunk: chunk.request.request_id not in ended)
-        return self.runner.sample(rest, logits, finite, rows=kept, scores=scores)
+        return self.runner.sample(rest, logits, finite, rows=kept, scores=scores, drafts=drafts)
 
     def isolate(
         self, chunks: list[ScheduledChunk], error: Exception, outputs: list[RequestOutput]
-    ) -> tuple[list[ScheduledChunk], tuple[torch.Tensor, PromptScores] | None]:
+    ) -> tuple[list[ScheduledChunk], tuple[torch.Tensor, PromptScores, DraftLogits | None] | None]:
         """After a failed forward: retry once; then end the requests of the adapters that fail on their
         own (appending their outputs) and run the rest. Non-finite logits no adapter explains end only
         the requests they belong to (rows do not mix). Returns the chunks that ran and their logits and

@@ -19,6 +19,7 @@ if TYPE_CHECKING:  # the scheduler imports this module and must stay free of tor
     import torch
 
     from .grammar import Grammar
+    from .speculative import NgramIndex
 
 
 @dataclass(frozen=True)
@@ -103,6 +104,24 @@ class Request:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     output: OutputState = field(default_factory=OutputState)
     sampling: SamplingState = field(default_factory=SamplingState)
+    # Speculative decoding (engine/speculative.py): its n-gram index (made at its first draft), and the
+    # draft tokens of a step launched and not landed yet (the scheduler plans nothing more for it).
+    ngrams: NgramIndex | None = None
+    draft_in_flight: int = 0
+
+    @property
+    def may_draft(self) -> bool:
+        """Whether its decodes may carry drafts: not turned off (num_speculative_tokens 0), and nothing
+        that reads each step's logits or changes them from its own history (logprobs, penalties, logit
+        bias, a grammar, prompt scoring) is asked for: such rows decode one token per step."""
+        params = self.params
+        return (
+            params.num_speculative_tokens != 0
+            and params.logprobs is None
+            and not params.penalized
+            and params.structured is None
+            and self.prompt_logprobs is None
+        )
 
     @property
     def num_tokens(self) -> int:

@@ -24,7 +24,7 @@ from .model.llama import LlamaModel
 from .penalties import PenaltyStore
 from .prompt_logprobs import PromptScores, scored_rows
 from .request import Request
-from .sampler import StepSample, sample_step
+from .sampler import DraftLogits, StepSample, sample_step
 from .scheduler import ScheduledChunk, StepPlan
 
 
@@ -58,6 +58,10 @@ class StepHandle:
         """The sampled ids (logprobs, prompt logprobs and kept logits land on their requests)."""
         self.scores.land()
         return self.sampled.resolve()
+
+    def accepted(self) -> list[int] | None:
+        """How many draft tokens of each sampling row held (None: the step had no draft), after tokens()."""
+        return self.sampled.accepted()
 
 
 def check_finite(chunks: Sequence[ScheduledChunk], flags: list[bool]) -> None:
@@ -112,34 +116,85 @@ class ModelRunner:
 
     def forward(
         self, chunks: Sequence[ScheduledChunk], feed: StepHandle | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor, PromptScores]:
-        """The chunks' sampled rows' logits [S, vocab], whether each row is finite [S], and the scoring
-        of the prompt tokens of the echo requests that ask (queued; usually none), all still on the
-        device: from the metadata copy to here nothing reads a device value, so nothing waits for the
-        device (what a captured CUDA graph of the decode step needs; tests/engine/test_dispatch.py).
-        `feed`: the step in flight, whose sampled tokens are this step's pending ids. The padding rows of
-        a graph-ready step are computed with the rest and dropped here (views)."""
-        scored = [scored_rows(chunk) for chunk in chunks]
-        batch = self.build(chunks, scored) if any(scored) else self.build(chunks)
+    ) -> tuple[torch.Tensor, torch.Tensor, PromptScores, DraftLogits | None]:
+        """The chunks' sampled rows' logits [S, vocab], whether each row is finite [S], the scoring of the
+        prompt tokens of the echo requests that ask (queued; usually none) and the logits of the draft
+        positions of speculative chunks (None: the step has none), all still on the device: from the
+        metadata copy to here nothing reads a device value, so nothing waits for the device (what a
+        captured CUDA graph of the decode step needs; tests/engine/test_dispatch.py). `feed`: the step in
+        flight, whose sampled tokens are this step's pending ids. The padding rows of a graph-ready step
+        are computed with the rest and dropped here (views). A speculative row is finite only if its
+        draft positions are too."""
+        prompt = [scored_rows(chunk) for chunk in chunks]
+        drafted = [len(chunk.draft) for chunk in chunks]
+        # Both kinds of extra rows are a chunk's first positions (a drafting request scores no prompt).
+        extra = [p + d for p, d in zip(prompt, drafted, strict=True)]
+        batch = self.build(chunks, extra) if any(extra) else self.build(chunks)
         if feed is not None:
             self._feed(batch.input_ids, chunks, feed)
         logits = self.execute(batch)  # [S + padding + P, vocab]
         sampled = logits.shape[0] - batch.num_scored
-        scores = (
-            PromptScores.queue(logits[sampled:], chunks, scored) if batch.num_scored else PromptScores.none()
-        )
+        rest = logits[sampled:]
+        drafts = None
+        if any(drafted):
+            rest, drafts = self._split_drafts(rest, chunks, prompt, drafted)
+        scores = PromptScores.queue(rest, chunks, prompt) if any(prompt) else PromptScores.none()
         logits = logits[:sampled]
         finite = torch.isfinite(logits).all(dim=-1)  # over every sampled row: one shape per bucket
+        if drafts is not None:
+            finite = finite & self._drafts_finite(drafts, chunks, sampled)
         real = sampled - batch.num_padding
-        return logits[:real], finite[:real], scores
+        return logits[:real], finite[:real], scores, drafts
 
-    def checked_logits(self, chunks: Sequence[ScheduledChunk]) -> tuple[torch.Tensor, PromptScores]:
-        """Logits [S, vocab] of the chunks' sampled rows, and their prompt scores; NonFiniteLogits if any
-        sampled row is not finite. Reads the finite flags at once (a copy of its own): the fault path's
-        forward."""
-        logits, finite, scores = self.forward(chunks)
+    @staticmethod
+    def _split_drafts(
+        rest: torch.Tensor, chunks: Sequence[ScheduledChunk], prompt: list[int], drafted: list[int]
+    ) -> tuple[torch.Tensor, DraftLogits]:
+        """The extra rows [P + K, V] (chunk order) parted into the prompt-scoring rows and the drafts'."""
+        draft_chunks = [c for c in chunks if c.draft]
+        if not any(prompt):
+            return rest[:0], DraftLogits(
+                [c.request for c in draft_chunks], [c.draft for c in draft_chunks], rest
+            )
+        prompt_rows: list[int] = []
+        draft_rows: list[int] = []
+        row = 0
+        for p, d in zip(prompt, drafted, strict=True):
+            prompt_rows.extend(range(row, row + p))
+            draft_rows.extend(range(row + p, row + p + d))
+            row += p + d
+        device = rest.device
+        take = torch.tensor(prompt_rows + draft_rows, dtype=torch.int64).to(device, non_blocking=True)
+        parted = rest.index_select(0, take)
+        draft_logits = parted[len(prompt_rows) :]
+        requests = [c.request for c in draft_chunks]
+        return parted[: len(prompt_rows)], DraftLogits(
+            requests, [c.draft for c in draft_chunks], draft_logits
+        )
+
+    @staticmethod
+    def _drafts_finite(drafts: DraftLogits, chunks: Sequence[ScheduledChunk], sampled: int) -> torch.Tensor:
+        """[sampled] bool: False for the sampled row of a speculative chunk with a draft row not finite."""
+        owner: list[int] = []
+        row = 0
+        for chunk in chunks:
+            if chunk.draft:
+                owner.extend([row] * len(chunk.draft))
+            row += chunk.samples
+        device = drafts.logits.device
+        index = torch.tensor(owner, dtype=torch.int64).to(device, non_blocking=True)
+        bad = (~torch.isfinite(drafts.logits).all(dim=-1)).float()
+        return torch.zeros(sampled, device=device).index_add_(0, index, bad) == 0
+
+    def checked_logits(
+        self, chunks: Sequence[ScheduledChunk]
+    ) -> tuple[torch.Tensor, PromptScores, DraftLogits | None]:
+        """Logits [S, vocab] of the chunks' sampled rows, their prompt scores and draft rows;
+        NonFiniteLogits if any sampled row is not finite. Reads the finite flags at once (a copy of its
+        own): the fault path's forward."""
+        logits, finite, scores, drafts = self.forward(chunks)
         check_finite(chunks, finite.tolist())
-        return logits, scores
+        return logits, scores, drafts
 
     def sample(
         self,
@@ -148,15 +203,17 @@ class ModelRunner:
         finite: torch.Tensor | None = None,
         rows: list[int] | None = None,
         scores: PromptScores | None = None,
+        drafts: DraftLogits | None = None,
     ) -> StepHandle:
         """Queue the draw of the plan's sampling requests' next tokens from logits [S, vocab] (`rows`:
         only these rows of it, in order, one per sampling request); `finite` [S] rides in the same copy;
-        `scores`: the same forward's prompt scores, which land with the tokens."""
+        `scores`: the same forward's prompt scores, which land with the tokens; `drafts`: its speculative
+        rows, verified here (a request left out of the plan is left out of them too)."""
         if rows is not None:
             index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
             logits = logits.index_select(0, index)
             finite = None if finite is None else finite.index_select(0, index)
-        sampled = sample_step(logits, plan.sampling, finite, self.penalties)
+        sampled = sample_step(logits, plan.sampling, finite, self.penalties, drafts)
         return StepHandle(plan, sampled, scores or PromptScores.none())
 
     def sampling_failure(self, logits: torch.Tensor, row: int, request: Request) -> str | None:

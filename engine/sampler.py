@@ -132,6 +132,7 @@ class StepSample:
     widest: int = 0
     logprob_counts: list[int] = field(default_factory=list)  # alternatives per asking row
     has_finite: bool = False  # the caller's per-row finite flags follow the token ids in `packed`
+    has_accepted: bool = False  # then each row's accepted draft tokens (speculative decoding)
     _resolved: list[int] | None = None
     _values: list[float] | None = None
 
@@ -151,6 +152,15 @@ class StepSample:
         size = len(self.requests)
         return [v != 0 for v in self._copy()[size : 2 * size]] if self.has_finite else [True] * size
 
+    def accepted(self) -> list[int] | None:
+        """How many of each row's draft tokens held (0 for a row without a draft); None: no row had one.
+        From the same copy as the tokens."""
+        if not self.has_accepted:
+            return None
+        size = len(self.requests)
+        start = 2 * size if self.has_finite else size
+        return [int(v) for v in self._copy()[start : start + size]]
+
     def resolve(self) -> list[int]:
         """The token ids as a list (one copy), with logprobs and kept logits appended to their requests."""
         if self._resolved is not None:
@@ -159,7 +169,7 @@ class StepSample:
         size = len(self.requests)
         tokens = [int(t) for t in values[:size]]
         rows, widest = self.logprob_rows, self.widest
-        base = 2 * size if self.has_finite else size
+        base = size * (1 + self.has_finite + self.has_accepted)
         chosen = values[base : base + len(rows)]
         top_values = values[base + len(rows) : base + len(rows) * (1 + widest)]
         top_ids = values[base + len(rows) * (1 + widest) :]
@@ -182,11 +192,14 @@ def sample_step(
     requests: Sequence[Request],
     finite: torch.Tensor | None = None,
     penalties: PenaltyStore | None = None,
+    drafts: DraftLogits | None = None,
 ) -> StepSample:
     """Sample one token per row of logits [S, V]; row i belongs to requests[i]. Queues device work only.
     `finite` [S] bool (the engine's check of the logits) rides in the same copy: StepSample.finite().
     `penalties`: where the penalised requests' output tokens are kept between steps (the runner's; None:
-    a store for this call alone, filled from the tokens the host knows)."""
+    a store for this call alone, filled from the tokens the host knows). `drafts`: the step's speculative
+    rows (`verify`): their token is the one after the draft tokens that held, whose count rides in the
+    same copy too (StepSample.accepted())."""
     if logits.shape[0] != len(requests):
         raise ValueError(f"{logits.shape[0]} rows of logits for {len(requests)} requests")
     chooser = logits
@@ -202,6 +215,9 @@ def sample_step(
     greedy = chooser.argmax(dim=-1) if not sampled or len(sampled) < len(requests) else None  # [S]
     tokens = _sample_rows(chooser, requests, sampled, greedy) if sampled else greedy
     assert tokens is not None
+    accepted = None
+    if drafts is not None and drafts.requests:
+        tokens, accepted = _verify_rows(logits, requests, tokens, drafts)
     if penalised:
         recorded.record(tokens)
     rows = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
@@ -212,6 +228,8 @@ def sample_step(
     parts = [tokens.double()]
     if finite is not None:
         parts.append(finite.double())
+    if accepted is not None:
+        parts.append(accepted.double())
     if rows:
         # The model's own distribution, before penalties, bias, temperature and filtering (vLLM's
         # raw_logprobs): the figure means the same whatever the sampling parameters were.
@@ -222,7 +240,9 @@ def sample_step(
             top = logp.topk(widest, dim=-1)
             parts += [top.values.reshape(-1).double(), top.indices.reshape(-1).double()]
     packed = torch.cat(parts) if len(parts) > 1 else parts[0]
-    return StepSample(tokens, requests, logits, packed, rows, widest, counts, finite is not None)
+    return StepSample(
+        tokens, requests, logits, packed, rows, widest, counts, finite is not None, accepted is not None
+    )
 
 
 def _sample_rows(
@@ -268,6 +288,140 @@ def _sample_rows(
     return greedy.index_copy(0, torch.tensor(sampled, device=logits.device), drawn)
 
 
+# The acceptance test of a draft token draws from its own stream: a request's draws stay a function of its
+# seed and output positions (preemption and batch neighbours change nothing), and a row without a draft
+# draws exactly as without speculation.
+_ACCEPT_SALT = 0x5DEECE66D
+
+
+@dataclass
+class DraftLogits:
+    """A step's speculative rows: each draft chunk's request (chunk order), its draft tokens, and the
+    logits of its first len(draft) positions, concatenated [K, V] in that order (the chunk's last
+    position is its ordinary sampled row). Position j's logits judge draft token j."""
+
+    requests: list[Request]
+    drafts: list[tuple[int, ...]]
+    logits: torch.Tensor  # [K, V]
+
+    @classmethod
+    def none(cls, logits: torch.Tensor) -> DraftLogits:
+        return cls([], [], logits[:0])
+
+
+def speculative_tokens(
+    target: torch.Tensor,
+    draft: torch.Tensor,
+    accept_u: torch.Tensor,
+    draw_u: torch.Tensor,
+    greedy: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Verify drafts: target [R, K + 1, V] the target's filtered float32 logits (temperature applied,
+    -inf for what top-k/top-p/min-p drop) at each draft position and the one after, draft [R, K] int64
+    (-1 past a row's draft), uniforms accept_u [R, K] and draw_u [R, K + 1] in [0, 1). Returns the
+    tokens [R] that follow the accepted ones and the accepted counts [R].
+
+    Greedy: accepted is the longest prefix the argmax repeats; the token is the argmax after it.
+    Sampled (a deterministic draft, q one-hot): draft token x at position j is accepted when
+    u < p_j(x); at the first rejection the token is drawn from p_j with x removed (normalize(max(p - q,
+    0))), and when all are accepted from p_K: every emitted token follows the target distribution."""
+    rows, width, _ = target.shape
+    index = torch.arange(rows, device=target.device)
+    if greedy:
+        return greedy_accept(target.argmax(dim=-1), draft)
+    probs = target[:, : width - 1].softmax(dim=-1)  # [R, K, V]
+    p_x = probs.gather(-1, draft.clamp(min=0)[..., None]).squeeze(-1)  # [R, K]
+    held = (accept_u < p_x) & (draft >= 0)
+    accepted = held.long().cumprod(dim=-1).sum(dim=-1)  # [R]
+    final = target[index, accepted]  # [R, V]
+    padded = torch.cat([draft, draft.new_full((rows, 1), -1)], dim=1)
+    rejected = padded[index, accepted]  # [R]: the draft token refused at that position, -1 for none
+    removed = final.scatter(1, rejected.clamp(min=0)[:, None], float("-inf"))
+    # p with x removed has no mass only where p(x) was 1, which is never refused: kept as is, not NaN.
+    usable = (rejected >= 0) & torch.isfinite(removed).any(dim=-1)
+    final = torch.where(usable[:, None], removed, final)
+    return draw(final, draw_u[index, accepted]), accepted
+
+
+def greedy_accept(best: torch.Tensor, draft: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy verification from the argmax best [R, K + 1] at each position and draft [R, K] (-1 past a
+    row's draft): the token after the longest prefix the argmax repeats, and that prefix's length."""
+    held = best[:, :-1] == draft
+    accepted = held.long().cumprod(dim=-1).sum(dim=-1)
+    return best[torch.arange(best.shape[0], device=best.device), accepted], accepted
+
+
+def _verify_rows(
+    logits: torch.Tensor, requests: Sequence[Request], tokens: torch.Tensor, drafts: DraftLogits
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's tokens [S] with each speculative row's replaced by the token after its accepted draft
+    tokens, and the accepted counts [S] (0 for rows without a draft)."""
+    device = logits.device
+    row_of = {id(r): i for i, r in enumerate(requests)}
+    widest = max(len(d) for d in drafts.drafts)
+    size = logits.shape[0]
+    starts = [0]
+    for d in drafts.drafts:
+        starts.append(starts[-1] + len(d))
+    accepted = torch.zeros(size, dtype=torch.int64, device=device)
+    everything = torch.cat([logits, drafts.logits])  # [S + K, V]
+    best: torch.Tensor | None = None
+    for greedy in (True, False):
+        members = [
+            (j, row_of[id(r)])
+            for j, r in enumerate(drafts.requests)
+            if id(r) in row_of and r.params.greedy == greedy
+        ]
+        if not members:
+            continue
+        index, draft, accept_u, draw_u = [], [], [], []
+        for j, row in members:
+            own = drafts.drafts[j]
+            picks = [size + starts[j] + n for n in range(len(own))]
+            index.append(picks + [row] * (widest + 1 - len(own)))
+            draft.append(list(own) + [-1] * (widest - len(own)))
+            if not greedy:
+                request = requests[row]
+                seed, first = request_seed(request), request.num_generated
+                accept_u.append([uniform(seed ^ _ACCEPT_SALT, first + n) for n in range(widest)])
+                draw_u.append([uniform(seed, first + n) for n in range(widest + 1)])
+        flat = torch.tensor(index, dtype=torch.int64).to(device, non_blocking=True)
+        draft_t = torch.tensor(draft, dtype=torch.int64).to(device, non_blocking=True)
+        rows = torch.tensor([row for _, row in members], dtype=torch.int64).to(device, non_blocking=True)
+        if greedy:
+            best = everything.argmax(dim=-1) if best is None else best  # [S + K]
+            chosen, held = greedy_accept(best.index_select(0, flat.view(-1)).view(len(members), -1), draft_t)
+        else:
+            target = everything.index_select(0, flat.view(-1)).view(len(members), widest + 1, -1).float()
+            params = [requests[row].params for _, row in members]
+            repeat = widest + 1
+            settings = torch.tensor(
+                [
+                    [p.temperature for p in params for _ in range(repeat)],
+                    [p.top_k for p in params for _ in range(repeat)],
+                    [p.top_p for p in params for _ in range(repeat)],
+                    [p.min_p for p in params for _ in range(repeat)],
+                ],
+                dtype=torch.float32,
+            ).to(device, non_blocking=True)
+            filtered = filter_logits(
+                target.view(len(members) * repeat, -1),
+                settings[0],
+                settings[1],
+                settings[2],
+                settings[3],
+                max_top_k=max(p.top_k for p in params),
+                any_top_p=any(p.top_p < 1.0 for p in params),
+                any_min_p=any(p.min_p > 0.0 for p in params),
+            ).view(len(members), repeat, -1)
+            accept = torch.tensor(accept_u, dtype=torch.float32).to(device, non_blocking=True)
+            uniforms = torch.tensor(draw_u, dtype=torch.float32).to(device, non_blocking=True)
+            chosen, held = speculative_tokens(filtered, draft_t, accept, uniforms, greedy=False)
+        tokens = tokens.index_copy(0, rows, chosen)
+        accepted = accepted.index_copy(0, rows, held)
+    return tokens, accepted
+
+
 def sample(logits: torch.Tensor, requests: Sequence[Request]) -> list[int]:
     """The step's tokens as a list: `sample_step(...).resolve()`, for callers that need them at once."""
     return sample_step(logits, requests).resolve()
@@ -291,4 +445,14 @@ def filtered_probs(
     return filtered.softmax(dim=-1)[0]
 
 
-__all__ = ["StepSample", "draw", "filter_logits", "filtered_probs", "sample", "sample_step", "uniform"]
+__all__ = [
+    "DraftLogits",
+    "StepSample",
+    "draw",
+    "filter_logits",
+    "filtered_probs",
+    "sample",
+    "sample_step",
+    "speculative_tokens",
+    "uniform",
+]

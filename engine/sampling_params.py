@@ -36,6 +36,10 @@ class SamplingParams:
     # Structured outputs: the output follows this JSON schema (engine/grammar.py masks the tokens that
     # would break it), made by StructuredOutput.of, which bounds it. None: free text.
     structured: StructuredOutput | None = None
+    # Speculative decoding (when the engine runs it): at most this many draft tokens per step for this
+    # request, 0 turns it off; None: the engine's num_speculative_tokens. Greedy outputs are the same
+    # either way; sampled ones follow the same distribution.
+    num_speculative_tokens: int | None = None
 
     def __post_init__(self) -> None:
         """Every number in the range of wire/limits.py (the bounds the HTTP API checks first), so
@@ -60,6 +64,7 @@ class SamplingParams:
         limits.check_number("presence_penalty", self.presence_penalty)
         limits.check_number("frequency_penalty", self.frequency_penalty)
         limits.check_number("repetition_penalty", self.repetition_penalty)
+        limits.check_number("num_speculative_tokens", self.num_speculative_tokens)
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, Mapping):
                 raise limits.LimitExceeded("logit_bias", "logit_bias must map token ids to numbers")

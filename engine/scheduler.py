@@ -32,6 +32,7 @@ from .lora.registry import AdapterLoad, AdapterRegistry
 from .pool import PageKind, PagePool
 from .prefix_cache import NoPrefixCache, PrefixCache
 from .request import Request, RequestStatus
+from .speculative import NgramProposer, SpecStats
 from .stopping import StopChecker
 
 
@@ -43,6 +44,9 @@ class ScheduledChunk:
     # The chunk reaches the end of the request's tokens, so the step samples its next token. Fixed when
     # scheduled: postprocess appends that token, after which the end is no longer the end.
     samples: bool
+    # Speculative decoding: the draft tokens after the request's last known token, computed in this chunk
+    # (its last len(draft) tokens) and verified when the step lands (engine/speculative.py).
+    draft: tuple[int, ...] = ()
 
     @property
     def end(self) -> int:
@@ -92,11 +96,13 @@ class Scheduler:
         stop: StopChecker | None = None,
         queue: RequestQueue | None = None,
         prefix_cache: PrefixCache | NoPrefixCache | None = None,
+        proposer: NgramProposer | None = None,
     ):
         """The policies are chosen here, once: `adapters` (a registry: adapter-aware admission; None: every
         request is the base model's), `queue` (which waiting request goes next: first come first served
-        unless a FairQueue is given) and `prefix_cache` (admission starts a request past its longest
-        cached prefix; None: no caching)."""
+        unless a FairQueue is given), `prefix_cache` (admission starts a request past its longest
+        cached prefix; None: no caching) and `proposer` (speculative decoding: decodes that may carry a
+        draft get one from it; None: no drafts)."""
         if page_size <= 0 or max_num_seqs <= 0 or max_batch_tokens <= 0:
             raise ValueError("page_size, max_num_seqs and max_batch_tokens must be positive")
         self.pool = pool
@@ -115,6 +121,8 @@ class Scheduler:
         self.stop = stop or StopChecker(eos_token_ids=(), max_model_len=2**62)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the front has priority
+        self.proposer = proposer
+        self.spec = SpecStats()
 
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
@@ -172,6 +180,9 @@ class Scheduler:
             if request.num_pending_tokens and self.stop.stops_by_length(request):
                 index += 1  # ends when its pending token lands: nothing left to compute
                 continue
+            if request.draft_in_flight:
+                index += 1  # how many of its draft tokens hold is known when its step lands
+                continue
             if hold_back and remaining > 1 and self.queue.may_hold_back(request):
                 held.append(request)
                 index += 1
@@ -188,12 +199,41 @@ class Scheduler:
         return budget, held
 
     def _add_chunk(self, out: StepPlan, request: Request, budget: int) -> bool:
-        """Plan the running request's next chunk within `budget`, if the pool has its pages."""
+        """Plan the running request's next chunk within `budget`, if the pool has its pages. A decode
+        that may draft carries its draft when the budget and free pages allow (a draft never preempts)."""
         count = min(request.num_tokens - request.num_computed_tokens, budget)
+        if count == 1 and budget > 1:
+            draft = self._draft(request, budget - 1)
+            if draft and self._reserve_draft(request, request.num_computed_tokens + 1 + len(draft)):
+                start = request.num_computed_tokens
+                out.chunks.append(ScheduledChunk(request, start, 1 + len(draft), True, tuple(draft)))
+                return True
         if not self._reserve(request, request.num_computed_tokens + count):
             return False
         out.chunks.append(self._chunk(request, count))
         return True
+
+    def _draft(self, request: Request, budget: int) -> list[int]:
+        """The request's draft for this step (empty: it decodes one token). Only a request whose last
+        token is known (none pending), that asks for no logprobs, penalties, bias or grammar, and has room
+        for more than one token before max_tokens and the context end drafts."""
+        if self.proposer is None or request.num_pending_tokens or request.num_computed_tokens == 0:
+            return []
+        params = request.params
+        if not request.may_draft:
+            return []
+        limit = min(
+            budget,
+            params.max_tokens - request.num_generated - 1,
+            self.stop.max_model_len - request.num_tokens,
+        )
+        if params.num_speculative_tokens is not None:
+            limit = min(limit, params.num_speculative_tokens)
+        if limit <= 0:
+            return []
+        if request.ngrams is None:
+            request.ngrams = self.proposer.index()
+        return self.proposer.propose(request.ngrams, request, limit)
 
     def _admit(self, out: StepPlan, budget: int, passed: set[Tenant]) -> tuple[int, bool]:
         """Waiting requests join while the budget, the batch and the pool allow, in the queue's order,
@@ -247,43 +287,85 @@ class Scheduler:
             out.preempted.append(yielding)
         return newcomers
 
-    def postprocess(self, plan: StepPlan, sampled: Sequence[int]) -> list[Request]:
+    def postprocess(
+        self, plan: StepPlan, sampled: Sequence[int], accepted: Sequence[int] | None = None
+    ) -> list[Request]:
         """After the step ran `plan.chunks`: their tokens are in the cache; `sampled` holds the next
-        token of each of `plan.sampling`, in order. Appends them and finishes the requests that stop.
-        Returns the requests that sampled (finished ones included)."""
+        token of each of `plan.sampling`, in order (`accepted`: how many draft tokens of each held, see
+        `land`). Appends them and finishes the requests that stop. Returns the requests that sampled
+        (finished ones included)."""
         self.advance(plan)
-        return self.land(plan, sampled)
+        return self.land(plan, sampled, accepted)
 
     def advance(self, plan: StepPlan) -> None:
         """The step is launched: its chunks count as computed and each sampling request has one pending
         token, so the next step can be planned before this one's tokens are read (async scheduling)."""
         for chunk in plan.chunks:
-            chunk.request.num_computed_tokens = chunk.end
+            # A draft's tokens count once verified (land): until then the request is one token further.
+            chunk.request.num_computed_tokens = chunk.end - len(chunk.draft)
+            chunk.request.draft_in_flight = len(chunk.draft)
         for request in plan.sampling:
             request.num_pending_tokens += 1
 
-    def land(self, plan: StepPlan, sampled: Sequence[int]) -> list[Request]:
+    def land(
+        self, plan: StepPlan, sampled: Sequence[int], accepted: Sequence[int] | None = None
+    ) -> list[Request]:
         """The advanced step's tokens are read: `sampled` holds the next token of each of
-        `plan.sampling`, in order. Its pages join the prefix cache, the tokens replace the pending ones,
-        and the requests that stop finish. A request that ended while the step was in flight (aborted,
-        or stopped by the step before) takes nothing. Returns the requests that took a token."""
+        `plan.sampling`, in order, and `accepted` (speculative decoding; None: no drafts) how many of each
+        one's draft tokens held, the sampled token following them. Its pages join the prefix cache (a
+        draft's only as far as it held), the tokens replace the pending ones, and the requests that stop
+        finish. A request that ended while the step was in flight (aborted, or stopped by the step
+        before) takes nothing. Returns the requests that took a token."""
         requests = plan.sampling
-        if len(requests) != len(sampled):
+        if len(requests) != len(sampled) or (accepted is not None and len(accepted) != len(sampled)):
             raise ValueError(f"the step sampled {len(sampled)} tokens for {len(requests)} requests")
+        drafts = {c.request.request_id: c for c in plan.chunks if c.draft}
+        held: dict[str, int] = {}
+        for i, request in enumerate(requests):
+            chunk = drafts.get(request.request_id)
+            if chunk is not None:
+                held[request.request_id] = self._verified(chunk, accepted[i] if accepted is not None else 0)
         for chunk in plan.chunks:
             if chunk.request.status is RequestStatus.RUNNING:  # its pages filled by the step are shared
-                self.prefix_cache.commit(chunk.request, upto=chunk.end)
+                upto = chunk.end - len(chunk.draft) + held.get(chunk.request.request_id, 0)
+                self.prefix_cache.commit(chunk.request, upto=upto)
         took = []
         for request, token in zip(requests, sampled, strict=True):
             if request.finished:
                 continue
             took.append(request)
             request.num_pending_tokens -= 1
-            self.queue.generated(request)
-            reason = self.stop.append(request, token)
-            if reason is not None:
-                self.finish(request, reason)
+            chunk = drafts.get(request.request_id)
+            landed = [*chunk.draft[: held[request.request_id]], token] if chunk is not None else [token]
+            for each in landed:
+                self.queue.generated(request)
+                reason = self.stop.append(request, each)
+                if reason is not None:
+                    self.finish(request, reason)
+                    break
         return took
+
+    def _verified(self, chunk: ScheduledChunk, accepted: int) -> int:
+        """A landed draft chunk: `accepted` of its draft tokens held. The request is computed through them
+        (the rest of the draft's keys and values are overwritten when those positions are computed
+        again) and gives back the pages it no longer needs. Returns the accepted count, bounded."""
+        request = chunk.request
+        request.draft_in_flight = 0
+        if request.finished:
+            return 0
+        accepted = max(0, min(int(accepted), len(chunk.draft)))
+        self.spec.drafts += 1
+        self.spec.draft_tokens += len(chunk.draft)
+        self.spec.accepted_tokens += accepted
+        base = chunk.end - len(chunk.draft)
+        if request.status is RequestStatus.RUNNING and request.num_computed_tokens == base:
+            request.num_computed_tokens = base + accepted
+            keep = self.pages_for(base + accepted + 1)  # the token sampled after them is computed next
+            if len(request.pages) > keep:
+                tail = request.pages[keep:]
+                del request.pages[keep:]
+                self.pool.free(tail, request.request_id)
+        return accepted
 
     def rollback(self, plan: StepPlan) -> None:
         """Undo `advance` for a step whose results are dropped (its successor's fault path): its chunks
@@ -294,8 +376,21 @@ class Scheduler:
                 continue
             if chunk.samples and request.num_pending_tokens:
                 request.num_pending_tokens -= 1
+            if chunk.draft:
+                request.draft_in_flight = 0
             if request.status is RequestStatus.RUNNING:
                 request.num_computed_tokens = min(request.num_computed_tokens, chunk.start)
+
+    def _reserve_draft(self, request: Request, num_tokens: int) -> bool:
+        """Pages for a decode with its draft, only from free pages and only while a page per running
+        request is left beside them: a draft never evicts, nor takes the page another decode needs."""
+        needed = self.pages_for(num_tokens) - len(request.pages)
+        if needed <= 0:
+            return True
+        if not self.pool.can_allocate(needed + len(self.running)):
+            return False
+        request.pages.extend(self.pool.allocate(needed, request.request_id, PageKind.KV))
+        return True
 
     def _reserve(self, request: Request, num_tokens: int) -> bool:
         """Make sure the request owns pages for `num_tokens` tokens; False if the pool cannot."""
@@ -315,6 +410,7 @@ class Scheduler:
         self.running.remove(request)
         self._release(request)
         request.num_computed_tokens = 0
+        request.draft_in_flight = 0
         request.num_preemptions += 1
         request.status = RequestStatus.WAITING
         self.queue.preempted(request)

@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from .prefix_cache import PrefixStats
+from .speculative import SpecStats
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,7 @@ class EngineStats:
     host_cache_waits: int  # its prefetch was still running: the load waited for the rest
     host_cache_misses: int  # never prefetched: read on the spot
     prefix: PrefixStats | None = None  # the prefix cache's counters; None: prefix caching is off
+    spec: SpecStats | None = None  # speculative decoding's counters; None: it is off
 
 
 @dataclass(frozen=True)

@@ -48,6 +48,9 @@ MAX_PENALTY = 2.0  # presence and frequency penalties: OpenAI's range
 # past which every seen token is as good as banned anyway.
 MIN_REPETITION_PENALTY = 0.01
 MAX_REPETITION_PENALTY = 10.0
+# An extension: draft tokens per step a request allows speculative decoding (0 turns it off for the request;
+# the engine's own num_speculative_tokens caps it).
+MAX_SPECULATIVE_TOKENS = 32
 MAX_STOP_TOKEN_IDS = 16  # the offline API's stop_token_ids: checked after every token like stop strings
 
 # Temperatures above zero but below this are greedy (as in vLLM): dividing logits by 1e-300 overflows
@@ -113,6 +116,7 @@ NUMBER_FIELDS: dict[str, Range] = {
     "presence_penalty": Range(-MAX_PENALTY, MAX_PENALTY),
     "frequency_penalty": Range(-MAX_PENALTY, MAX_PENALTY),
     "repetition_penalty": Range(MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY),  # an extension (vLLM's)
+    "num_speculative_tokens": Range(0, MAX_SPECULATIVE_TOKENS, integer=True),  # an extension (loraplex's)
 }
 
 
