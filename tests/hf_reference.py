@@ -10,12 +10,16 @@ reference, still independent of our own loader.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
+import functools
 import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 CACHE = REPO / "build" / "test-cache"
@@ -26,6 +30,41 @@ def _key(gguf: Path) -> str:
 
     stat = gguf.stat()
     return f"{gguf.stem}-{stat.st_size}-{int(stat.st_mtime)}-transformers-{transformers.__version__}"
+
+
+@contextlib.contextmanager
+def _memoized_gguf() -> Iterator[None]:
+    """transformers' GGUF reading with gguf's costliest pieces done once instead of per call, nothing else
+    changed: the file is parsed by one GGUFReader instead of three (the config, the weights and the
+    tokenizer each open their own; the vocabulary's fields alone took tens of seconds a parse),
+    `get_tensor_name_map` is built once instead of once per tensor (a third of the model's reading), and
+    Q4_0/Q4_1/Q8_0 blocks are decoded a tensor at a time by engine/model/gguf_dequant.py, which
+    tests/engine/test_gguf_dequant.py holds to gguf's `dequantize` bit for bit. The names, the tensor
+    mapping and the tokenizer conversion are still transformers' own."""
+    import gguf
+
+    from loraplex.engine.model.gguf_dequant import dequantize_blocks, fast_types
+
+    originals = {name: getattr(gguf, name) for name in ("GGUFReader", "get_tensor_name_map", "dequantize")}
+    reader = functools.lru_cache(maxsize=2)(originals["GGUFReader"])
+
+    def dequantize(data: Any, qtype: Any) -> Any:
+        if getattr(qtype, "name", None) in fast_types():
+            return dequantize_blocks(data, qtype.name).reshape(*data.shape[:-1], -1)
+        return originals["dequantize"](data, qtype)
+
+    patched = {
+        "GGUFReader": lambda path, *args: reader(str(path), *args),
+        "get_tensor_name_map": functools.lru_cache(maxsize=8)(originals["get_tensor_name_map"]),
+        "dequantize": dequantize,
+    }
+    for name, value in patched.items():
+        setattr(gguf, name, value)
+    try:
+        yield
+    finally:
+        for name, value in originals.items():
+            setattr(gguf, name, value)
 
 
 def hf_smollm2_dir() -> Path:
@@ -44,16 +83,18 @@ def hf_smollm2_dir() -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (target / "config.json").is_file():
             staging = Path(tempfile.mkdtemp(dir=CACHE, prefix=".staging-"))
-            model = AutoModelForCausalLM.from_pretrained(
-                gguf.parent, gguf_file=gguf.name, dtype=torch.float32
-            )
+            with _memoized_gguf():
+                model = AutoModelForCausalLM.from_pretrained(
+                    gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+                )
+                tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
             # save_pretrained refuses a model read from a GGUF ("not serializable"): its weights are plain
             # float32 by now, so they are saved as they are (save_model keeps the tied embedding once).
             config = model.config.to_dict()
             config.pop("quantization_config", None)
             (staging / "config.json").write_text(json.dumps(config, indent=2))
             save_model(model, str(staging / "model.safetensors"))
-            AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(staging)
+            tokenizer.save_pretrained(staging)
             shutil.rmtree(target, ignore_errors=True)
             os.replace(staging, target)
     return target
