@@ -55,7 +55,8 @@ class NgramIndex:
         self.indexed = max(self.indexed, end)
 
     def propose(self, k: int) -> list[int]:
-        """Up to k tokens that followed the latest earlier occurrence of the longest matching suffix."""
+        """k tokens that followed the latest earlier occurrence of the longest matching suffix (none
+        when no suffix of min_n tokens or more occurred before)."""
         length = len(self.tokens)
         if k <= 0 or length < self.min_n + 1:
             return []
@@ -65,7 +66,12 @@ class NgramIndex:
         for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
             end = self.latest.get(tuple(tokens[length - n :]))
             if end is not None:
-                return tokens[end : min(end + k, length)]
+                # Past the end the draft goes on from itself: the text read as repeating with period
+                # length - end (what a run or a repeated line does next).
+                draft = tokens[end : min(end + k, length)]
+                while len(draft) < k:
+                    draft.append(draft[len(draft) - (length - end)])
+                return draft
         return []
 
 
