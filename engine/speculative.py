@@ -39,6 +39,7 @@ class NgramIndex:
     tokens: list[int] = field(default_factory=list)
     latest: dict[tuple[int, ...], int] = field(default_factory=dict)
     indexed: int = 0  # n-grams ending at or before this are in `latest`
+    matched: int = 0  # the length of the n-gram the last draft came from (0: none)
 
     def extend(self, request: DraftRequest) -> None:
         """Take the request's tokens that landed since the last call."""
@@ -63,9 +64,11 @@ class NgramIndex:
         # Only occurrences that end before the suffix does: the suffix itself is not an earlier one.
         self.index_upto(length - 1)
         tokens = self.tokens
+        self.matched = 0
         for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
             end = self.latest.get(tuple(tokens[length - n :]))
             if end is not None:
+                self.matched = n
                 # Past the end the draft goes on from itself: the text read as repeating with period
                 # length - end (what a run or a repeated line does next).
                 draft = tokens[end : min(end + k, length)]

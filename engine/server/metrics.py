@@ -233,6 +233,28 @@ class ServerMetrics:
         self.prefix_cached_pages = Gauge(
             "loraplex_prefix_cache_pages", "Pool pages held by the prefix cache, read or not.", registry=r
         )
+        # Speculative decoding (engine option speculative): acceptance rate = rate(accepted) / rate(draft
+        # tokens), tokens per step = (rate(accepted) + rate(drafts)) / rate(drafts); the gauges hold both
+        # since the engine started.
+        self.spec_drafts = Counter(
+            "loraplex_spec_decode_drafts", "Decodes that carried a draft and were verified.", registry=r
+        )
+        self.spec_draft_tokens = Counter(
+            "loraplex_spec_decode_draft_tokens", "Draft tokens proposed and verified.", registry=r
+        )
+        self.spec_accepted_tokens = Counter(
+            "loraplex_spec_decode_accepted_tokens", "Draft tokens that held (emitted as output).", registry=r
+        )
+        self.spec_acceptance_rate = Gauge(
+            "loraplex_spec_decode_acceptance_rate",
+            "Accepted draft tokens over draft tokens, since the engine started.",
+            registry=r,
+        )
+        self.spec_tokens_per_step = Gauge(
+            "loraplex_spec_decode_tokens_per_step",
+            "Tokens a decode with a draft emits per step (accepted + 1), since the engine started.",
+            registry=r,
+        )
         # Known label values exist from the start at 0, so a rate() over them has a beginning.
         for outcome in ("ok", "fetch_failed", "invalid"):
             self.adapter_registrations.labels(outcome)
@@ -300,11 +322,23 @@ class ServerMetrics:
             (self.adapter_host_cache_lookups.labels("wait"), "waits", float(stats.host_cache_waits)),
             (self.adapter_host_cache_lookups.labels("miss"), "misses", float(stats.host_cache_misses)),
             *self._prefix_totals(stats),
+            *self._spec_totals(stats),
         ):
             previous = self._engine_stats.get(key, 0.0)
             if value > previous:
                 counter.inc(value - previous)
             self._engine_stats[key] = value
+
+    def _spec_totals(self, stats: EngineStats) -> list[tuple[Counter, str, float]]:
+        if stats.spec is None:  # speculative decoding is off
+            return []
+        self.spec_acceptance_rate.set(stats.spec.acceptance_rate)
+        self.spec_tokens_per_step.set(stats.spec.tokens_per_step)
+        return [
+            (self.spec_drafts, "spec_drafts", float(stats.spec.drafts)),
+            (self.spec_draft_tokens, "spec_draft_tokens", float(stats.spec.draft_tokens)),
+            (self.spec_accepted_tokens, "spec_accepted_tokens", float(stats.spec.accepted_tokens)),
+        ]
 
     def _prefix_totals(self, stats: EngineStats) -> list[tuple[Counter, str, float]]:
         if stats.prefix is None:  # prefix caching is off

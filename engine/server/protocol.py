@@ -65,13 +65,16 @@ class _GenerationRequest(BaseModel):
     repetition_penalty: float | None = Field(default=None, description="an extension, as in vLLM (1: none)")
     logit_bias: dict[str, float] | None = None
     response_format: dict[str, Any] | None = None  # structured outputs: engine/structured_output.py
+    # An extension (loraplex's): draft tokens per step with speculative decoding, 0 turns it off for this
+    # request; absent: the engine's num_speculative_tokens (docs/api.md).
+    num_speculative_tokens: int | None = None
 
     # The caps of wire/limits.py, checked on the raw JSON before pydantic converts (and so pays for) every
     # element; a LimitExceeded reaches the client as a 400 naming the field (see app.py).
     # max_tokens is each endpoint's own: completions with echo may ask for 0.
     @field_validator(
         "temperature", "top_p", "top_k", "min_p", "seed", "n", "presence_penalty",
-        "frequency_penalty", "repetition_penalty", mode="before",
+        "frequency_penalty", "repetition_penalty", "num_speculative_tokens", mode="before",
     )  # fmt: skip
     @classmethod
     def _bounded_number(cls, value: Any, info: ValidationInfo) -> Any:
@@ -133,6 +136,7 @@ class _GenerationRequest(BaseModel):
             # JSON's keys are strings; checked as token ids (decimal digits) by _bounded_logit_bias.
             logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
             structured=self.structured_output(),
+            num_speculative_tokens=self.num_speculative_tokens,
         )
 
     def refuse_unsupported(self) -> None:

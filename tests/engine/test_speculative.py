@@ -239,3 +239,39 @@ def test_seeded_sampling_repeats_and_greedy_rows_beside_it_are_unchanged(plain) 
     assert [o.token_ids for o in first[: len(PROMPTS)]] == expected
     assert [o.token_ids for o in first[len(PROMPTS) :]] == [o.token_ids for o in again]
     assert [len(o.token_ids) for o in again] == [24, 24]
+
+
+# -- what the server shows ------------------------------------------------------------------------------
+
+
+def test_metrics_show_drafts_acceptance_and_tokens_per_step() -> None:
+    from dataclasses import replace
+
+    from loraplex.engine.server.metrics import ServerMetrics
+    from loraplex.engine.speculative import SpecStats
+    from loraplex.engine.stats import EngineStats
+
+    metrics = ServerMetrics()
+    pages = {"free": 6, "kv": 1, "adapter": 0, "reserved": 1}
+    stats = EngineStats(8, pages, 0, 1, 3, 1, 0, 0, 2, 0, 0.5, 100, 1, 0, 1, spec=SpecStats(2, 8, 4))
+    metrics.observe_engine(stats)
+    metrics.observe_engine(replace(stats, spec=SpecStats(4, 16, 12)))
+    value = metrics.registry.get_sample_value
+    assert value("loraplex_spec_decode_drafts_total") == 4
+    assert value("loraplex_spec_decode_draft_tokens_total") == 16
+    assert value("loraplex_spec_decode_accepted_tokens_total") == 12
+    assert value("loraplex_spec_decode_acceptance_rate") == 0.75
+    assert value("loraplex_spec_decode_tokens_per_step") == 4.0  # (12 accepted + 4 sampled) / 4 rows
+
+
+def test_the_request_body_field_is_bounded_and_reaches_the_sampling_params() -> None:
+    from loraplex.engine.server.protocol import CompletionRequest
+
+    body = CompletionRequest(model="m", prompt="x", num_speculative_tokens=0)
+    assert body.sampling_params(4, None).num_speculative_tokens == 0
+    assert CompletionRequest(model="m", prompt="x").sampling_params(4, None).num_speculative_tokens is None
+    # The app answers a 400 naming the field (the LimitExceeded inside pydantic's error).
+    with pytest.raises(ValueError, match="num_speculative_tokens must be between 0 and 32"):
+        CompletionRequest(model="m", prompt="x", num_speculative_tokens=33)
+    with pytest.raises(ValueError, match="num_speculative_tokens must be an integer"):
+        CompletionRequest(model="m", prompt="x", num_speculative_tokens=True)
