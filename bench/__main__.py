@@ -18,6 +18,7 @@ from . import (
     quant,
     sampling,
     serve,
+    spec,
     step,
     step_profile,
 )
@@ -51,6 +52,9 @@ def main() -> int:
     )
     grammar.add_arguments(
         commands.add_parser("grammar", help="structured decoding's mask cost per token (issue 27)")
+    )
+    spec.add_arguments(
+        commands.add_parser("spec", help="prompt-lookup speculative decoding at one stream (issue 30)")
     )
     args = parser.parse_args()
     return int(args.run(args))
