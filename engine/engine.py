@@ -29,7 +29,7 @@ from loraplex.adapters import AdapterManifest, BaseShape
 # adapter is at fault, refused until registered with other weights; ADAPTER_UNAVAILABLE: its store could not
 # be read, retry later; ENGINE_ERROR: the engine's own failure.
 from loraplex.wire import ADAPTER_FAILED, ADAPTER_UNAVAILABLE, ENGINE_ERROR
-from loraplex.wire.errors import RefusedAdapterError, UnknownAdapterError
+from loraplex.wire.errors import AdapterChanged, RefusedAdapterError, UnknownAdapterError
 from loraplex.wire.errors import StepError as StepError  # what step() raises (from the fault guard)
 from loraplex.wire.limits import LOGPROBS, LimitExceeded, check_number
 
@@ -139,7 +139,13 @@ class LLMEngine:
             buckets = DecodeBuckets.up_to(config.max_num_seqs, max_blocks, padding_page)
         self.cache = KVCache(model_config, num_pages, config.page_size, dtype, device)
         head_dim = model_config.head_dim
-        self.registry = AdapterRegistry(self.pool, config.max_resident_adapters)
+        # Pins may take the usable pool less one request at the full context, or less half the pool when
+        # that is smaller (AdapterRegistry.pin).
+        usable = num_pages - self.pool.pages_by_kind()[PageKind.RESERVED.value]
+        kept = min(-(-self.max_model_len // config.page_size), usable // 2)
+        self.registry = AdapterRegistry(
+            self.pool, config.max_resident_adapters, pin_budget=max(0, usable - kept)
+        )
         self.loader = AdapterLoader(
             self.registry,
             self.cache.memory.view(-1, head_dim),
@@ -262,6 +268,27 @@ class LLMEngine:
         self.loader.prefetch([name])
         return "host"
 
+    def pin_adapter(self, name: str) -> str:
+        """Keep a registered adapter resident until `unpin_adapter` (never evicted): loaded now as
+        `warm_adapter` does. "device" or "host" (no pages free without taking a request's: it becomes
+        resident at its next admission and stays). PinRefused (an AdapterError) when the pins would not
+        fit the pool; AdapterError if it is not registered or is refused; LoadFailed as warm_adapter."""
+        load = self.registry.pin(name)
+        if load is not None:
+            failures = self.loader.load([load])
+            if failures:
+                self.registry.unwarm(name)
+                raise LoadFailed(failures[0])
+        entry = self.registry.entry(name)
+        if entry is not None and entry.resident and entry.loaded:
+            return "device"
+        self.loader.prefetch([name])
+        return "host"
+
+    def unpin_adapter(self, name: str) -> bool:
+        """Let a pinned adapter be evicted again (least recently used first); whether it was pinned."""
+        return self.registry.unpin(name)
+
     def adapter(self, name: str) -> AdapterInfo | None:
         """The registered adapter `name` (None if unknown, or unregistered and draining), residency
         included: call it where the engine runs (another thread reads `adapter_view`)."""
@@ -278,6 +305,7 @@ class LLMEngine:
             entry.admissions,
             entry.cold_admissions,
             entry.loads,
+            facts.pinned,
         )
 
     def adapters(self) -> list[AdapterInfo]:
@@ -303,6 +331,7 @@ class LLMEngine:
         tenant_weight: float = 1.0,
         prompt_logprobs: int | None = None,
         shares_prompt_with: str | None = None,
+        adapter_sha256: str | None = None,
     ) -> str:
         """Queue a prompt (text, or token ids) and return its request id; `adapter` names a registered
         adapter (None: the base model). Its adapter starts loading into host memory now. `tenant` is
@@ -311,13 +340,19 @@ class LLMEngine:
         `prompt_logprobs`: score the prompt's tokens too (echo), with this many alternatives each
         (RequestOutput.prompt_logprobs). `shares_prompt_with`: the id of a queued request with the same
         prompt, adapter and tenant (another choice of the same API request): this one waits until that
-        one's prompt is computed, then starts past its cached pages instead of computing them again."""
+        one's prompt is computed, then starts past its cached pages instead of computing them again.
+
+        `adapter_sha256`: the digest the request was routed with (the gateway's adapter header). When the
+        engine's `adapter` now has other weights (the name was registered again meanwhile) the request is
+        refused (AdapterChanged) rather than served by another version. Once added it is the adapter's
+        user, and the registry refuses to replace a name its users hold, so every row keeps that digest
+        to its end."""
         if not tenant_weight > 0:
             raise ValueError(f"tenant_weight must be positive, got {tenant_weight}")
         params = params or SamplingParams()
         check_number("logprobs", prompt_logprobs, LOGPROBS)
         if adapter is not None:
-            self._check_adapter(adapter)
+            self._check_adapter(adapter, adapter_sha256)
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer; pass prompt token ids instead of text")
@@ -405,12 +440,22 @@ class LLMEngine:
                 if not request.finished:
                     self.scheduler.add(request)
 
-    def _check_adapter(self, name: str) -> None:
-        """Raise unless new requests may name adapter `name`: the one check of it."""
+    def _check_adapter(self, name: str, sha256: str | None = None) -> None:
+        """Raise unless new requests may name adapter `name` (with weights `sha256`, when given): the one
+        check of it."""
         if name not in self.registry:
             raise UnknownAdapterError(f"adapter {name!r} is not registered")
         if name in self.registry.failed:
             raise RefusedAdapterError(f"adapter {name!r} cannot be served: {self.registry.failed[name]}")
+        if sha256 is not None:
+            entry = self.registry.entry(name)
+            held = entry.manifest.sha256 if entry is not None else ""
+            if held != sha256.lower():
+                raise AdapterChanged(
+                    f"adapter {name!r} was routed with weights {sha256.lower()[:16]}... but this engine "
+                    f"now serves {held[:16]}... under that name (registered again meanwhile); the request "
+                    "was not run: retry it"
+                )
 
     def _check_sampling(self, params: SamplingParams) -> None:
         """What only this model bounds (SamplingParams checked the rest against the shared limits):
@@ -451,8 +496,12 @@ class LLMEngine:
         # Alone in the pool, the request must fit with its adapter, or it could never finish.
         adapter_pages = self.registry.pages_of(adapter) if adapter is not None else 0
         kv_pages = self.scheduler.pages_for(longest)
-        if kv_pages + adapter_pages > usable:
+        pinned = self.registry.pinned_pages(excluding=adapter)  # held by pins whatever else runs
+        if kv_pages + adapter_pages + pinned > usable:
             with_adapter = f" and its adapter {adapter_pages} more" if adapter_pages else ""
+            if pinned:
+                usable -= pinned
+                with_adapter += f"; pinned adapters hold {pinned} of the pool's pages"
             raise RequestTooLarge(
                 f"prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) needs {kv_pages} pages"
                 f"{with_adapter}; the pool has {usable}: lower max_tokens or shorten the prompt",

@@ -19,6 +19,7 @@ class AdapterFacts:
     pages: int  # pool pages it occupies when resident
     failed: str | None  # why it is refused, if it is
     draining: bool  # unregistered: new requests may not name it; those already there finish
+    pinned: bool = False  # kept resident (never evicted) until unpinned
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,7 @@ class AdapterInfo:
     admissions: int = 0  # requests admitted with it since it was registered
     cold_admissions: int = 0  # of those, the ones that waited for its rows to be loaded
     loads: int = 0  # copies of its rows into the pool
+    pinned: bool = False  # kept resident (never evicted) until unpinned
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,8 @@ class LoadedAdapter:
     name: str
     level: str  # "gpu": its rows are in the device pool, ready for a step; "cpu": packed in host memory only
     rank: int  # its largest LoRA rank
+    pinned: bool = False  # kept resident until unpinned (AdapterRegistry.pin)
+    sha256: str = ""  # its digest: which version of a name it is
 
 
 @dataclass(frozen=True)
@@ -79,3 +83,4 @@ class AdapterReport:
     reclaimable_pages: int  # pool pages of unused adapters and unread cached prefixes: freed when wanted
     largest_adapter_pages: int  # pool pages of the largest registered adapter (0: none registered)
     load_seconds: tuple[float, ...]  # each load into the pool since the previous report, in order
+    pinned: int = 0  # adapters pinned resident (AdapterRegistry.pin)

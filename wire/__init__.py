@@ -281,6 +281,7 @@ class AdapterEntry(TypedDict):
     admissions: int
     cold_admissions: int
     loads: int
+    pinned: bool  # kept resident until unpinned (PINS_PATH)
 
 
 class Registered(TypedDict):
@@ -305,6 +306,33 @@ class Prewarmed(TypedDict):
     name: str
     sha256: str
     level: str
+
+
+# POST PINS_PATH with an AdapterRegistration registers the adapter where needed and pins it: kept resident,
+# never evicted, until DELETE pin_path(name) (200 Unpinned; 404 adapter_not_found when not registered).
+# Pins fit the engine's pin budget (the usable pool less one request at the full context): a pin past it is
+# 409 POOL_FULL, naming the pool, and changes nothing. Errors otherwise as PREWARM_PATH's.
+PINS_PATH = "/internal/pins"
+POOL_FULL = "pool_full"  # a pin that would not fit the engine's pool (409)
+
+
+def pin_path(name: str) -> str:
+    return f"{PINS_PATH}/{quote(name, safe='')}"
+
+
+class Pinned(TypedDict):
+    """POST PINS_PATH's answer: `level` as Prewarmed's (a "host" pin becomes resident at its next use and
+    stays)."""
+
+    name: str
+    sha256: str
+    level: str
+    pinned: bool
+
+
+class Unpinned(TypedDict):
+    name: str
+    pinned: bool  # False: no longer pinned (whether or not it was)
 
 
 class Unregistered(TypedDict):

@@ -78,6 +78,12 @@ class AdapterUnavailable(RuntimeError):
     """The adapter's store could not be read: not the adapter's fault, worth a retry."""
 
 
+class AdapterChanged(AdapterUnavailable):
+    """The engine's adapter of that name now has other weights than the digest the request was routed
+    with (registered again meanwhile): the request is not run on them. Not the adapter's fault (nothing is
+    marked failed); a retry registers the routed version again."""
+
+
 class StepError(RuntimeError):
     """A step failure no adapter explains. The engine raises it after one retry with the `cause` and the
     `outputs` the step produced before it gave up (requests ended for a guilty adapter): deliver them, then

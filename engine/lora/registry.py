@@ -13,6 +13,13 @@ resident until their pages are wanted, then the least recently used goes first. 
 for new requests (the name is unknown from then on) and deferred for the requests already there: the
 adapter drains, and when its last user ends its pages and its host copy are freed.
 
+Pinned adapters (`pin`) stay resident while pinned: once placed they are never in the unused list, so
+neither eviction nor the KV cache's wants take their pages; their pages come out of the pool before any
+other adapter or request is admitted. Pins fit a budget (`pin_budget`): the usable pool less one request at
+the full context (or less half the pool, when that is smaller), so the engine can always serve requests
+beside them. A pin
+that does not fit is refused (`PinRefused`) and changes nothing.
+
 Faults stay with their adapter: weights the loader cannot read, verify or fit, and a step failure the
 engine attributes to it (`mark_failed`), refuse the adapter (`failed`, with the reason) until it is
 registered again with other weights (another digest) or unregistered.
@@ -41,6 +48,10 @@ if TYPE_CHECKING:  # sources read weights with torch; the registry only holds th
     from .sources import AdapterSource
 
 log = logging.getLogger(__name__)
+
+
+class PinRefused(AdapterError):
+    """A pin that would not fit the pool's pin budget; nothing changed."""
 
 
 @dataclass
@@ -88,11 +99,14 @@ class ResidencyListener(Protocol):
 
 
 class AdapterRegistry:
-    def __init__(self, pool: PagePool, max_resident: int | None = None):
+    def __init__(self, pool: PagePool, max_resident: int | None = None, pin_budget: int | None = None):
         if max_resident is not None and max_resident < 1:
             raise ValueError(f"max_resident must be at least 1, got {max_resident}")
         self.pool = pool
         self.max_resident = max_resident
+        # Pool pages pinned adapters may hold in all (None: the usable pool less one page).
+        self.pin_budget = pin_budget if pin_budget is not None else pool.num_pages - 1
+        self.pinned: dict[str, None] = {}  # pinned adapters, in the order they were pinned
         self.failed: dict[str, str] = {}  # name -> why it is refused (the adapter is at fault)
         self.evictions = 0
         self.version = 0  # changes whenever an adapter's pages change: stacked gathers are stale then
@@ -189,6 +203,7 @@ class AdapterRegistry:
         """Refuse `name` from now on (it is at fault). Its pages are freed as soon as no request holds
         it, its host copy at once, so nothing of it is served again."""
         self.failed[name] = reason
+        self.pinned.pop(name, None)  # a refused adapter holds no pages for its pin
         for listener in self.listeners:
             listener.forgotten(name)
         entry = self._entries.get(name)
@@ -211,7 +226,8 @@ class AdapterRegistry:
         if not entry.resident:
             if not self._place(entry):
                 return None
-            self._unused[name] = self.pool.tick()
+            if name not in self.pinned:
+                self._unused[name] = self.pool.tick()
         elif name in self._unused:
             self._unused[name] = self.pool.tick()
             self._unused.move_to_end(name)
@@ -226,6 +242,56 @@ class AdapterRegistry:
         entry = self._entries.get(name)
         if entry is not None and entry.resident and not entry.loaded and not entry.references:
             self._drop(entry)
+
+    def pinned_pages(self, excluding: str | None = None) -> int:
+        """Pool pages the pinned adapters take when resident (`excluding` one of them left out)."""
+        return sum(self._entries[name].num_pages for name in self.pinned if name != excluding)
+
+    def pin(self, name: str) -> AdapterLoad | None:
+        """Keep `name` resident until `unpin`: placed now when pages can be had without taking them from a
+        request (else at its next admission), and never evicted once placed. The copy still to make, as
+        `warm`'s. PinRefused when the pinned adapters would pass `pin_budget` or every resident slot;
+        AdapterError if it is not registered or is refused. Pinning a pinned adapter is a warm."""
+        entry = self._entries.get(name)
+        if entry is None or entry.draining:
+            raise AdapterError(f"adapter {name!r} is not registered")
+        if name in self.failed:
+            raise AdapterError(f"adapter {name!r} is refused: {self.failed[name]}")
+        if name not in self.pinned:
+            held = self.pinned_pages()
+            if held + entry.num_pages > self.pin_budget:
+                raise PinRefused(
+                    f"adapter {name!r} needs {entry.num_pages} pages of the pool to be pinned; pinned "
+                    f"adapters hold {held} of the {self.pin_budget} pages pins may take (the pool's "
+                    f"{self.pool.num_pages} pages less the KV room kept for requests): unpin another "
+                    "adapter first"
+                )
+            if self.max_resident is not None and len(self.pinned) + 1 >= self.max_resident:
+                raise PinRefused(
+                    f"adapter {name!r} cannot be pinned: {len(self.pinned)} adapter(s) are pinned and the "
+                    f"pool holds at most {self.max_resident} adapters (max_resident_adapters), one of "
+                    "them kept for unpinned ones"
+                )
+            self.pinned[name] = None
+            self._unused.pop(name, None)
+            self._publish()
+            log.info("adapter %s pinned (%d pages)", name, entry.num_pages)
+        return self.warm(name)
+
+    def unpin(self, name: str) -> bool:
+        """Let `name` be evicted again (the least recently used first, as any unused adapter); whether it
+        was pinned."""
+        if name not in self.pinned:
+            return False
+        del self.pinned[name]
+        entry = self._entries.get(name)
+        if entry is not None and entry.resident and not entry.references:
+            if entry.loaded:
+                self._unused[name] = self.pool.tick()
+            else:
+                self._drop(entry)
+        self._publish()
+        return True
 
     # -- what the scheduler calls -------------------------------------------------------------------
 
@@ -275,7 +341,7 @@ class AdapterRegistry:
             return
         if name in self.failed or not entry.loaded:  # refused, or pages handed out in vain: free them now
             self._drop(entry)
-        else:
+        elif name not in self.pinned:  # a pinned adapter stays resident, out of eviction's reach
             self._unused[name] = self.pool.tick()
 
     def evict_unused(self, pages_wanted: int) -> int:
@@ -328,7 +394,12 @@ class AdapterRegistry:
         self.view = MappingProxyType(
             {
                 name: AdapterFacts(
-                    name, entry.manifest.sha256, entry.num_pages, self.failed.get(name), entry.draining
+                    name,
+                    entry.manifest.sha256,
+                    entry.num_pages,
+                    self.failed.get(name),
+                    entry.draining,
+                    pinned=name in self.pinned,
                 )
                 for name, entry in self._entries.items()
             }
@@ -373,6 +444,7 @@ class AdapterRegistry:
         entry = self._entries.pop(name)
         assert not entry.users, f"adapter {name} is in use"
         self._num_draining -= entry.draining
+        self.pinned.pop(name, None)  # a pin is the registration's: gone with it
         if entry.resident:
             self._drop(entry)
         self.failed.pop(name, None)

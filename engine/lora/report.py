@@ -39,6 +39,7 @@ def adapter_report(
         loaded=loaded_adapters(registry, host),
         reclaimable_pages=registry.pool.reclaimable_pages(),
         largest_adapter_pages=registry.largest_pages,
+        pinned=len(registry.pinned),
         load_seconds=loader.take_load_times(),
     )
 
@@ -51,13 +52,20 @@ def loaded_adapters(registry: AdapterRegistry, host: HostCache) -> tuple[LoadedA
     for name in registry.resident_names():
         entry = registry.entry(name)
         if entry is not None and entry.loaded:
-            loaded.append(LoadedAdapter(name, GPU, max(entry.manifest.ranks, default=0)))
+            loaded.append(_loaded(registry, name, GPU))
             on_device.add(name)
     for name in host.packed_names():
         entry = registry.entry(name)
         if entry is not None and name not in on_device:  # a pack of a forgotten adapter is not served
-            loaded.append(LoadedAdapter(name, CPU, max(entry.manifest.ranks, default=0)))
+            loaded.append(_loaded(registry, name, CPU))
     return tuple(loaded)
+
+
+def _loaded(registry: AdapterRegistry, name: str, level: str) -> LoadedAdapter:
+    entry = registry.entry(name)
+    assert entry is not None
+    rank = max(entry.manifest.ranks, default=0)
+    return LoadedAdapter(name, level, rank, name in registry.pinned, entry.manifest.sha256)
 
 
 def _by_adapter(requests: Iterable[Request]) -> dict[str, int]:

@@ -44,7 +44,7 @@ from loraplex.wire.errors import (
 )
 
 from . import jobs, protocol, responses, tokenization
-from .async_engine import AsyncEngine
+from .async_engine import AsyncEngine, PoolFull
 from .choices import Job, Prompt
 from .delivery import (
     AbortingStreamingResponse,
@@ -279,7 +279,7 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
         job = Job(
             False, body.model, adapter, prompts, body.stream, body.include_usage, caller.tenant,
             n=body.choices_per_prompt, best_of=body.sequences_per_prompt, logprobs=body.logprobs,
-            echo=body.echo, echo_only=body.echo_only,
+            echo=body.echo, echo_only=body.echo_only, adapter_sha256=_routed_digest(request),
         )  # fmt: skip
         return await _run(state, job, request)
 
@@ -321,7 +321,13 @@ async def _chat_job(
     return Job(
         True, body.model, adapter, [Prompt(ids, params)], body.stream, body.include_usage, caller.tenant,
         n=n, best_of=n, logprobs=body.logprobs_wanted, tools=body.tool_calls,
+        adapter_sha256=_routed_digest(request),
     )  # fmt: skip
+
+
+def _routed_digest(request: Request) -> str | None:
+    """The adapter digest the gateway routed the request with (registrar.adapter_for), if any."""
+    return getattr(request.state, "adapter_sha256", None)
 
 
 def chat_prompt(
@@ -424,6 +430,7 @@ def _add_adapter_routes(app: FastAPI, state: ServerState) -> None:
                 admissions=a.admissions,
                 cold_admissions=a.cold_admissions,
                 loads=a.loads,
+                pinned=a.pinned,
             )
             for a in await engine.adapters()
         ]
@@ -457,6 +464,40 @@ def _add_adapter_routes(app: FastAPI, state: ServerState) -> None:
         sha256 = facts.sha256 if facts is not None else (body.sha256 or "")
         log.info("prewarmed adapter %s (%s)", body.name, level)
         return wire.Prewarmed(name=body.name, sha256=sha256, level=level)
+
+    @app.post(wire.PINS_PATH, response_model=None)
+    async def pin_adapter(body: protocol.AdapterRegistration, request: Request) -> wire.Pinned:
+        state.trust.require_internal(request)
+        engine = state.serving()
+        if state.registrar.is_base_model(body.name):
+            raise bad_request(f"{body.name!r} is the base model's name; pick another adapter name", "name")
+        await state.registrar.ensure_adapter(engine, body.registration())
+        try:
+            level = await engine.pin_adapter(body.name)
+        except PoolFull as exc:
+            raise OpenAIError(409, str(exc), wire.INVALID_REQUEST, wire.POOL_FULL, "name") from exc
+        except UnknownAdapterError as exc:
+            raise answer(AdapterUnavailable, f"adapter {body.name!r} was unregistered while pinning") from exc
+        except RefusedAdapterError as exc:
+            raise answer(RefusedAdapterError, str(exc)) from exc
+        except AdapterUnavailable as exc:
+            raise answer(AdapterUnavailable, f"adapter {body.name!r}: {exc}") from exc
+        facts = engine.adapter(body.name)
+        sha256 = facts.sha256 if facts is not None else (body.sha256 or "")
+        log.info("pinned adapter %s (%s)", body.name, level)
+        return wire.Pinned(name=body.name, sha256=sha256, level=level, pinned=True)
+
+    @app.delete(wire.PINS_PATH + "/{name:path}", response_model=None)
+    async def unpin_adapter(name: str, request: Request) -> wire.Unpinned:
+        state.trust.require_internal(request)
+        engine = state.serving()
+        try:
+            await engine.unpin_adapter(name)
+        except UnknownAdapterError as exc:
+            raise OpenAIError(
+                404, f"adapter {name!r} is not registered", wire.INVALID_REQUEST, wire.ADAPTER_NOT_FOUND
+            ) from exc
+        return wire.Unpinned(name=name, pinned=False)
 
     @app.delete(wire.ADAPTERS_PATH + "/{name:path}", response_model=None)
     async def unregister_adapter(name: str, request: Request) -> wire.Unregistered:

@@ -92,6 +92,10 @@ def new_request_id() -> str:
     return f"req-{uuid.uuid4().hex}"
 
 
+class PoolFull(RuntimeError):
+    """A pin that would not fit the engine's pool (AdapterRegistry.pin_budget): refused, nothing changed."""
+
+
 class AdapterFetchFailed(AdapterError):
     """Nothing usable at the adapter's URI (as opposed to something there that fails validation)."""
 
@@ -226,10 +230,12 @@ class AsyncEngine:
         request_id: str | None = None,
         prompt_logprobs: int | None = None,
         shares_prompt_with: str | None = None,
+        adapter_sha256: str | None = None,
     ) -> RequestStream:
         """Queue a request; returns once the engine accepted it (ValueError names what it refused).
-        `request_id`: the id to give it (default: a fresh one); `prompt_logprobs` and `shares_prompt_with`
-        as LLMEngine.add_request's. Adds posted one after another reach the engine in that order."""
+        `request_id`: the id to give it (default: a fresh one); `prompt_logprobs`, `shares_prompt_with` and
+        `adapter_sha256` (the digest it was routed with) as LLMEngine.add_request's. Adds posted one after
+        another reach the engine in that order."""
         tenant_id = tenant.tenant_id
         if not self.accepting:
             raise EngineUnavailable(self.not_ready_reason)
@@ -248,7 +254,11 @@ class AsyncEngine:
         stream = RequestStream(request_id or new_request_id())
         accepted = self._future()
         ids, arrival = list(prompt_token_ids), time.monotonic()
-        extras = {"prompt_logprobs": prompt_logprobs, "shares_prompt_with": shares_prompt_with}
+        extras = {
+            "prompt_logprobs": prompt_logprobs,
+            "shares_prompt_with": shares_prompt_with,
+            "adapter_sha256": adapter_sha256,
+        }
         self._post(
             lambda: self._add(stream, ids, params, adapter, tenant, arrival, accepted, extras),
             accepted,
@@ -301,6 +311,49 @@ class AsyncEngine:
                 raise store_unreadable(exc) from exc
             raise
         return await self._call(lambda engine: engine.register_adapter(name, source))
+
+    async def pin_adapter(self, name: str) -> str:
+        """Pin a registered adapter (LLMEngine.pin_adapter): its host copy read off the loop thread as for
+        warm_adapter. "device" or "host"; PoolFull when the pins would not fit the pool; otherwise the
+        errors of warm_adapter."""
+
+        def prefetch(engine: LLMEngine) -> Future[Any] | None:
+            if engine.adapter(name) is None:
+                raise UnknownAdapterError(f"adapter {name!r} is not registered")
+            engine.loader.prefetch([name])
+            return engine.loader.host.pending(name)
+
+        def pin(engine: LLMEngine) -> str:
+            from loraplex.engine.lora.loader import LoadFailed
+            from loraplex.engine.lora.registry import PinRefused
+
+            try:
+                return engine.pin_adapter(name)
+            except PinRefused as exc:
+                raise PoolFull(str(exc)) from exc
+            except LoadFailed as exc:
+                if exc.failure.at_fault:
+                    raise RefusedAdapterError(f"adapter {name!r} could not be loaded: {exc}") from exc
+                raise AdapterUnavailable(str(exc)) from exc
+            except AdapterError as exc:
+                raise RefusedAdapterError(str(exc)) from exc
+
+        packing = await self._call(prefetch)
+        if packing is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wrap_future(packing)
+        return await self._call(pin)
+
+    async def unpin_adapter(self, name: str) -> bool:
+        """Let a pinned adapter be evicted again; whether it was pinned. UnknownAdapterError if it is not
+        registered."""
+
+        def unpin(engine: LLMEngine) -> bool:
+            if engine.adapter(name) is None:
+                raise UnknownAdapterError(f"adapter {name!r} is not registered")
+            return engine.unpin_adapter(name)
+
+        return await self._call(unpin)
 
     async def unregister_adapter(self, name: str) -> bool:
         """New requests can no longer name it; True if it is forgotten now, False if it drains (the

@@ -61,6 +61,7 @@ class Job:
     echo: bool = False
     echo_only: bool = False  # echo with max_tokens 0: the generated token is dropped
     tools: ToolCalls | None = None  # chat's tools offered: replies read back as tool calls (tools.py)
+    adapter_sha256: str | None = None  # the digest the gateway routed it with: its rows run on no other
 
     @property
     def num_sequences(self) -> int:

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from loraplex import wire
 from loraplex.wire import limits
 from loraplex.wire.errors import (
+    AdapterUnavailable,
     EngineUnavailable,
     OverShare,
     QueueFull,
@@ -90,6 +91,7 @@ async def submit(engine: AsyncEngine, job: Job) -> list[RequestStream]:
                     request_id=first if copy == 0 else None,
                     prompt_logprobs=job.prompt_logprobs,
                     shares_prompt_with=first if copy else None,
+                    adapter_sha256=job.adapter_sha256,
                 )
             )
     results = await asyncio.gather(*adds, return_exceptions=True)
@@ -104,7 +106,8 @@ async def submit(engine: AsyncEngine, job: Job) -> list[RequestStream]:
 
 def refused(job: Job, exc: BaseException) -> BaseException:
     """The HTTP error for the engine's refusal to queue a sequence of `job`."""
-    if isinstance(exc, QueueFull | OverShare | EngineUnavailable):  # OverShare: other tenants still get in
+    # OverShare: other tenants still get in; AdapterUnavailable (AdapterChanged): a retry registers it again
+    if isinstance(exc, QueueFull | OverShare | EngineUnavailable | AdapterUnavailable):
         return failure_error(exc)
     if isinstance(exc, UnknownAdapterError):  # these two before ValueError: each is one
         return answer(UnknownAdapterError, f"The model `{job.model}` does not exist.")

@@ -17,6 +17,10 @@ the ones proposed to vLLM (vllm-project/vllm#54830, read by llm-d-router's lora-
 | vllm:max_gpu_lora_adapters | gauge | model_name | adapters the pool can hold at once |
 | vllm:lora_adapter_load_seconds | histogram | model_name | each load of an adapter into the pool |
 
+Beside them, from the same snapshot: `loraplex_adapter_loaded{adapter_name, sha256, level, pinned}` (1 per
+adapter held, with its digest: which version of an adapter it is) and `loraplex_adapters_pinned` (adapters
+pinned resident, whether or not their rows are in the pool yet).
+
 One pool holds KV pages and adapters, so "KV usage" counts what a new request could not get: pages neither
 free nor reclaimable (unused adapters and unread cached prefixes are evicted when pages are wanted, as
 vLLM counts its evictable cached blocks free). The adapter lists are vLLM's: adapters with requests
@@ -164,9 +168,26 @@ class ModelServerMetrics(Collector):
             labels=["adapter_name", "level", "pinned", "rank"],
         )
         for adapter in report.loaded:
-            # Nothing pins an adapter here: an unused one is evicted, least recently used first.
-            loaded.add_metric([adapter.name, adapter.level, "false", str(adapter.rank)], 1.0)
+            # Pinned (POST /internal/pins): kept resident, never evicted; the others go LRU first.
+            pinned = "true" if adapter.pinned else "false"
+            loaded.add_metric([adapter.name, adapter.level, pinned, str(adapter.rank)], 1.0)
         yield loaded
+        # Our own per-adapter series: which weights (the digest: an adapter version) each held adapter is,
+        # whether it is pinned. Bounded like the one above: one series per adapter held.
+        versions = GaugeMetricFamily(
+            "loraplex_adapter_loaded",
+            "1 per adapter held, with its digest (sha256: the version of the adapter it is) and pin.",
+            labels=["adapter_name", "sha256", "level", "pinned"],
+        )
+        for adapter in report.loaded:
+            pinned = "true" if adapter.pinned else "false"
+            versions.add_metric([adapter.name, adapter.sha256, adapter.level, pinned], 1.0)
+        yield versions
+        yield GaugeMetricFamily(
+            "loraplex_adapters_pinned",
+            "Adapters pinned resident (never evicted while pinned).",
+            value=float(report.pinned),
+        )
         yield self._gauge(
             "vllm:num_gpu_loaded_lora_adapters", "Adapters whose rows are in the device pool.", on_device
         )

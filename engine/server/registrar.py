@@ -96,6 +96,9 @@ class Registrar:
                 raise bad_request(str(exc), code=exc.code) from exc
             if gateway_adapter is not None:
                 await self.ensure_adapter(engine, gateway_adapter.registration())
+                # The digest it was routed with: the engine runs it on no other weights (a
+                # registration of the name that lands before it is queued refuses it, AdapterChanged).
+                request.state.adapter_sha256 = gateway_adapter.sha256
                 return gateway_adapter.name
         if self.is_base_model(model):
             return None
