@@ -64,6 +64,11 @@ class QuotaUpdate(BaseModel):
         description="Requests in flight at once through one gateway replica; null: the gateway's default "
         "(LORAPLEX_TENANT_MAX_IN_FLIGHT), never unlimited.",
     )
+    max_pinned_adapters: Count | None = Field(
+        default=2,
+        description="Adapter versions the tenant may pin resident on the engines at once (2 unless set); "
+        "null: no limit.",
+    )
 
 
 class QuotaPublic(Public, QuotaUpdate):
@@ -248,6 +253,7 @@ class AdapterPublic(Public):
         description="The name's canary split, {version: weight}; null: all go to the active version.",
     )
     sticky: bool = Field(default=True, description="Whether a split keeps each `user` on one version.")
+    pinned: bool = Field(default=False, description="Whether this version is pinned resident on the engines.")
 
 
 class AdapterVersionPublic(Public):
@@ -266,6 +272,7 @@ class AdapterVersionPublic(Public):
     rank: int | None
     uploaded_by: str | None
     created_at: dt.datetime
+    pinned: bool = Field(default=False, description="Whether it is pinned resident on the engines.")
 
 
 class TrafficSplit(BaseModel):
@@ -290,6 +297,12 @@ class TrafficSplit(BaseModel):
 
     def versions(self) -> dict[int, int]:
         return {int(v): w for v, w in self.traffic.items()}
+
+
+class AdapterPin(BaseModel):
+    """Which version to pin resident on the engines; omitted: the active one."""
+
+    version: int | None = Field(default=None, ge=1, le=2**31 - 1)
 
 
 class AdapterRollback(BaseModel):

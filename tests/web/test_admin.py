@@ -37,6 +37,7 @@ def test_tenant_lifecycle(client: TestClient, api: Api) -> None:
         "max_adapter_bytes": None,
         "max_storage_bytes": None,
         "max_in_flight": None,
+        "max_pinned_adapters": 2,
     }
     assert client.post("/admin/v1/tenants", json={"name": "acme"}, headers=ADMIN).status_code == 409
     url = f"/admin/v1/tenants/{tenant['id']}"
@@ -51,6 +52,7 @@ def test_tenant_lifecycle(client: TestClient, api: Api) -> None:
         "max_adapter_bytes": 5,
         "max_storage_bytes": 7,
         "max_in_flight": 9,
+        "max_pinned_adapters": 4,
     }
     assert client.put(f"{url}/quota", json=quota, headers=ADMIN).json() == quota
     assert client.get(url, headers=ADMIN).json()["quota"] == quota

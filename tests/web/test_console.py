@@ -240,6 +240,7 @@ def test_admins_create_tenants_users_and_quotas_from_the_console(app: FastAPI) -
             "max_adapter_bytes": None,
             "max_storage_bytes": None,
             "max_in_flight": None,
+            "max_pinned_adapters": 2,
         }
 
         short = post_form(

@@ -21,6 +21,7 @@ from sqlalchemy import (
     String,
     Text,
     UniqueConstraint,
+    false,
     true,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
@@ -167,6 +168,8 @@ class Adapter(Base):
     # Who uploaded it, as words kept after the key or user is gone: "key lpx_AbCd1234 (ci)", "user a@b.c".
     uploaded_by: Mapped[str | None] = mapped_column(String(400))
     created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    # Kept resident on its deployment's engines (services/pins.py); counts against max_pinned_adapters.
+    pinned: Mapped[bool] = mapped_column(default=False, server_default=false())
 
     deployment: Mapped[Deployment] = relationship()
     # The name this version belongs to (its active version and traffic split); read-only from here.
@@ -194,6 +197,8 @@ class Quota(Base):
     # Requests in flight at once through one gateway replica; None: the replica's default
     # (LORAPLEX_TENANT_MAX_IN_FLIGHT), never unlimited.
     max_in_flight: Mapped[int | None]
+    # Adapter versions pinned resident on the engines at once; None: unlimited.
+    max_pinned_adapters: Mapped[int | None] = mapped_column(default=2, server_default="2")
 
     tenant: Mapped[Tenant] = relationship(back_populates="quota")
 

@@ -103,6 +103,7 @@ def to_public(adapter: Adapter) -> AdapterPublic:
         created_at=adapter.created_at,
         traffic=None if named is None or named.traffic is None else dict(named.traffic),
         sticky=True if named is None else named.sticky,
+        pinned=adapter.pinned,
     )
 
 
@@ -120,6 +121,7 @@ def to_version(adapter: Adapter, named: AdapterName | None) -> AdapterVersionPub
         rank=adapter.rank,
         uploaded_by=adapter.uploaded_by,
         created_at=adapter.created_at,
+        pinned=adapter.pinned,
     )
 
 

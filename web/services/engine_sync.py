@@ -12,8 +12,9 @@ missed pass loses nothing, and a replica that was away is cleaned on the first p
 
 `EngineSync` runs that pass every `engine_sync_interval_s`, and at once when woken: a delete wakes it, so
 a healthy engine forgets the adapter within moments while the deleting request never waits for an engine.
-It also fails uploads interrupted long ago (services/adapters.py): both repair the world from the database
-on the same clock.
+It also fails uploads interrupted long ago (services/adapters.py), and makes each replica's pins match the
+pinned versions of its deployment (services/pins.py): a replica that restarted, or a pod discovered since,
+gets its pins on the first pass that reaches it. All repair the world from the database on the same clock.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from loraplex import wire
 
 from ..db.models import Adapter, AdapterStatus, Deployment
 from ..db.session import Database
-from . import adapters
+from . import adapters, pins
 from .discovery import is_kubernetes_uri
 from .endpoint_policy import endpoint_problem
 from .routing import Router
@@ -58,6 +59,8 @@ class SyncReport:
     unreachable: dict[str, str] = field(default_factory=dict)  # replica URL -> why
     unregistered: dict[str, list[str]] = field(default_factory=dict)  # replica URL -> engine names
     pending: dict[str, list[str]] = field(default_factory=dict)  # names left for the next pass
+    pinned: dict[str, list[str]] = field(default_factory=dict)  # replica URL -> names pinned this pass
+    unpinned: dict[str, list[str]] = field(default_factory=dict)  # replica URL -> names unpinned this pass
 
 
 def all_replicas(session: Session, router: Router, allow_loopback: bool = False) -> list[str]:
@@ -112,6 +115,12 @@ def stale_names(session: Session, names: Iterable[str]) -> list[str]:
 
 async def registrations(http: httpx.AsyncClient, replica: str, token: str, timeout: float) -> list[str]:
     """The adapter names `replica` holds; httpx.HTTPError or ValueError when it cannot say."""
+    return [e["name"] for e in await listing(http, replica, token, timeout)]
+
+
+async def listing(http: httpx.AsyncClient, replica: str, token: str, timeout: float) -> list[dict[str, Any]]:
+    """The adapters `replica` holds (wire.AdapterEntry, at least a name each); httpx.HTTPError or
+    ValueError when it cannot say."""
     response = await http.get(
         replica + wire.ADAPTERS_PATH, headers={wire.INTERNAL_TOKEN_HEADER: token}, timeout=timeout
     )
@@ -120,7 +129,7 @@ async def registrations(http: httpx.AsyncClient, replica: str, token: str, timeo
     data = body.get("data") if isinstance(body, dict) else None
     if not isinstance(data, list) or len(data) > MAX_LISTED:
         raise ValueError(f"{replica}{wire.ADAPTERS_PATH} did not answer a list of adapters")
-    return [e["name"] for e in data if isinstance(e, dict) and isinstance(e.get("name"), str)]
+    return [e for e in data if isinstance(e, dict) and isinstance(e.get("name"), str)]
 
 
 async def unregister(http: httpx.AsyncClient, replica: str, name: str, token: str, timeout: float) -> bool:
@@ -146,15 +155,22 @@ async def unregister(http: httpx.AsyncClient, replica: str, name: str, token: st
 
 
 async def sync_replica(
-    http: httpx.AsyncClient, db: Database, replica: str, token: str, timeout: float, report: SyncReport
+    http: httpx.AsyncClient,
+    db: Database,
+    replica: str,
+    token: str,
+    timeout: float,
+    report: SyncReport,
+    wanted_pins: list[wire.AdapterRegistration] | None = None,
 ) -> None:
     try:
         # Listed before the database is read: an adapter made ready meanwhile is seen ready, so nothing
         # the gateway may be routing is unregistered (and that would only cost a re-registration).
-        names = await registrations(http, replica, token, timeout)
+        entries = await listing(http, replica, token, timeout)
     except (httpx.HTTPError, ValueError) as exc:
         report.unreachable[replica] = str(exc) or type(exc).__name__
         return
+    names = [e["name"] for e in entries]
     report.reached.append(replica)
     stale = await run_in_threadpool(_stale_names, db, names)
     for name in stale:
@@ -164,6 +180,51 @@ async def sync_replica(
             report.unreachable[replica] = str(exc) or type(exc).__name__
             done = False
         (report.unregistered if done else report.pending).setdefault(replica, []).append(name)
+    await _sync_pins(http, replica, token, entries, set(stale), wanted_pins or [], report)
+
+
+async def _sync_pins(
+    http: httpx.AsyncClient,
+    replica: str,
+    token: str,
+    entries: list[dict[str, Any]],
+    stale: set[str],
+    wanted: list[wire.AdapterRegistration],
+    report: SyncReport,
+) -> None:
+    """Pin what the database has pinned for this replica's deployment and it lacks; unpin the gateway's
+    names it holds pinned that the database does not. A failure is retried next pass."""
+    held = {e["name"] for e in entries if e.get("pinned") is True and e["name"] not in stale}
+    want = {r.name: r for r in wanted}
+    headers = {wire.INTERNAL_TOKEN_HEADER: token}
+    for name, registration in want.items():
+        if name in held:
+            continue
+        try:
+            response = await http.post(
+                replica + wire.PINS_PATH,
+                json=registration.body(),
+                headers=headers,
+                timeout=pins.PIN_TIMEOUT_S,
+            )
+        except httpx.HTTPError as exc:
+            log.info("pin of %s on %s not made now: %s", name, replica, exc)
+            continue
+        if response.is_success:
+            report.pinned.setdefault(replica, []).append(name)
+        else:
+            log.warning(
+                "%s refused the pin of %s (%s): %s", replica, name, response.status_code, response.text[:200]
+            )
+    for name in held - set(want):
+        if not wire.is_gateway_adapter(name):
+            continue  # pins the engine's operator made by hand are left alone
+        try:
+            response = await http.delete(replica + wire.pin_path(name), headers=headers, timeout=30.0)
+        except httpx.HTTPError:
+            continue
+        if response.is_success or response.status_code == 404:
+            report.unpinned.setdefault(replica, []).append(name)
 
 
 def _stale_names(db: Database, names: list[str]) -> list[str]:
@@ -174,6 +235,21 @@ def _stale_names(db: Database, names: list[str]) -> list[str]:
 def _replicas(db: Database, router: Router, allow_loopback: bool) -> list[str]:
     with db.session() as session:
         return all_replicas(session, router, allow_loopback)
+
+
+def _pins_by_replica(
+    db: Database, router: Router, allow_loopback: bool
+) -> dict[str, list[wire.AdapterRegistration]]:
+    """Per replica, the pinned versions of the deployments it serves."""
+    with db.session() as session:
+        deployments = {d.id: list(d.endpoints) for d in session.scalars(select(Deployment))}
+        wanted = pins.desired_pins(session, deployments)
+    by_replica: dict[str, list[wire.AdapterRegistration]] = {}
+    for deployment_id, registrations in wanted.items():
+        permitted = [e for e in deployments[deployment_id] if _may_have_the_token(e, allow_loopback)]
+        for replica in router.replicas(permitted):
+            by_replica.setdefault(replica.rstrip("/"), []).extend(registrations)
+    return by_replica
 
 
 async def sync_once(
@@ -187,11 +263,12 @@ async def sync_once(
     """One pass over every replica: what each holds that the database no longer has ready, unregistered."""
     report = SyncReport()
     replicas = await run_in_threadpool(_replicas, db, router, allow_loopback)
+    wanted_pins = await run_in_threadpool(_pins_by_replica, db, router, allow_loopback)
     limit = asyncio.Semaphore(PARALLEL_REPLICAS)
 
     async def one(replica: str) -> None:
         async with limit:
-            await sync_replica(http, db, replica, token, timeout, report)
+            await sync_replica(http, db, replica, token, timeout, report, wanted_pins.get(replica, []))
 
     await asyncio.gather(*(one(r) for r in replicas))
     for replica, names in report.unregistered.items():

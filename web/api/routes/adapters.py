@@ -5,13 +5,21 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Path, Request, Response, status
+from fastapi import APIRouter, Path, Query, Request, Response, status
 from fastapi.exceptions import RequestValidationError
 from pydantic import StringConstraints, TypeAdapter, ValidationError
 from starlette.concurrency import run_in_threadpool
 
-from ...schemas import PRINTABLE, AdapterPublic, AdapterRollback, AdapterVersionPublic, Name, TrafficSplit
-from ...services import adapters, engine_sync, multipart, scopes, traffic, upload_quota, versions
+from ...schemas import (
+    PRINTABLE,
+    AdapterPin,
+    AdapterPublic,
+    AdapterRollback,
+    AdapterVersionPublic,
+    Name,
+    TrafficSplit,
+)
+from ...services import adapters, engine_sync, multipart, pins, scopes, traffic, upload_quota, versions
 from ..deps import Manager, Reader, SessionDep, SettingsDep
 
 router = APIRouter(prefix="/api/v1/adapters", tags=["adapters"])
@@ -173,6 +181,33 @@ def rollback(
     """Make a ready version the active one: `version`, or the newest ready one before the active."""
     scopes.require_adapter(principal.limits, name)
     return versions.rollback(session, principal.tenant_id, name, body.version)
+
+
+@router.post(
+    "/{name}/pin",
+    responses={
+        403: {"description": "over the tenant's max_pinned_adapters"},
+        409: {"description": "the version is not ready, or an engine's pool cannot hold it (nothing pinned)"},
+    },
+)
+async def pin_adapter(
+    name: AdapterName, body: AdapterPin, request: Request, principal: Manager
+) -> AdapterPublic:
+    """Pin a version (default: the active one) resident on its deployment's engines: never evicted."""
+    scopes.require_adapter(principal.limits, name)
+    return await pins.pin(request.app, principal.tenant_id, name, body.version)
+
+
+@router.delete("/{name}/pin")
+async def unpin_adapter(
+    name: AdapterName,
+    request: Request,
+    principal: Manager,
+    version: Annotated[int | None, Query(ge=1, le=2**31 - 1)] = None,
+) -> AdapterPublic:
+    """Unpin `version`, or every pinned version of the name: evicted again like any unused adapter."""
+    scopes.require_adapter(principal.limits, name)
+    return await pins.unpin(request.app, principal.tenant_id, name, version)
 
 
 @router.put("/{name}/traffic", responses={409: {"description": "a version of the split is not ready"}})

@@ -7,6 +7,8 @@ import uuid
 from fastapi import APIRouter, Request, status
 
 from ...schemas import (
+    AdapterPin,
+    AdapterPublic,
     KeyCreate,
     KeyCreated,
     QuotaPublic,
@@ -15,7 +17,7 @@ from ...schemas import (
     TenantPublic,
     TenantUpdate,
 )
-from ...services import engine_sync, keys, tenants
+from ...services import engine_sync, keys, pins, tenants
 from ..deps import AdminDep, SessionDep
 
 router = APIRouter(prefix="/admin/v1/tenants", tags=["admin"])
@@ -50,6 +52,21 @@ def delete_tenant(tenant_id: uuid.UUID, request: Request, session: SessionDep, _
 @router.put("/{tenant_id}/quota")
 def set_quota(tenant_id: uuid.UUID, body: QuotaUpdate, session: SessionDep, _: AdminDep) -> QuotaPublic:
     return tenants.set_quota(session, tenant_id, body)
+
+
+@router.post("/{tenant_id}/adapters/{name}/pin")
+async def pin_adapter(
+    tenant_id: uuid.UUID, name: str, body: AdapterPin, request: Request, _: AdminDep
+) -> AdapterPublic:
+    """Pin a tenant's adapter version (default: the active one) on its engines, past its quota if need be."""
+    return await pins.pin(request.app, tenant_id, name, body.version, enforce_quota=False)
+
+
+@router.delete("/{tenant_id}/adapters/{name}/pin")
+async def unpin_adapter(
+    tenant_id: uuid.UUID, name: str, request: Request, _: AdminDep, version: int | None = None
+) -> AdapterPublic:
+    return await pins.unpin(request.app, tenant_id, name, version)
 
 
 @router.post("/{tenant_id}/keys", status_code=status.HTTP_201_CREATED)
