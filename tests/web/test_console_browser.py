@@ -459,3 +459,83 @@ def test_the_console_works_without_javascript(browser: Browser, platform: Platfo
         expect(page.get_by_label("Name", exact=True)).to_have_value("no-js")  # the form keeps what was typed
     finally:
         context.close()
+
+
+def test_versions_traffic_rollback_pin_and_scoped_keys(
+    platform: Platform, open_page: Callable[..., Page]
+) -> None:
+    """Issue 28 item 6: an adapter's versions with their status, the traffic slider, rollback and the pin
+    toggle (pinned on the real engine); a scoped key made and rotated with an overlap."""
+    import json
+
+    tenant = next(
+        t for t in httpx.get(f"{platform.url}/admin/v1/tenants", headers=ADMIN).json() if t["name"] == "acme"
+    )
+    full = httpx.post(
+        f"{platform.url}/admin/v1/tenants/{tenant['id']}/keys", json={"name": "ci"}, headers=ADMIN
+    )
+    headers = bearer(full.json()["key"])
+    files = {n: (DEMO / n).read_bytes() for n in ("adapter_config.json", "adapter_model.safetensors")}
+    quarter = json.loads(files["adapter_config.json"]) | {"lora_alpha": 4}
+    for version in (files, {**files, "adapter_config.json": json.dumps(quarter).encode()}):
+        parts = [("files", (n, content, "application/octet-stream")) for n, content in version.items()]
+        sent = httpx.post(
+            f"{platform.url}/api/v1/adapters",
+            data={"name": "canary", "deployment": "smol"},
+            files=parts,
+            headers=headers,
+        )
+        assert sent.status_code == 201, sent.text
+
+    page = open_page(MEMBER)
+    page.goto("/console/adapters")
+    page.get_by_role("link", name="canary", exact=True).click()
+    expect(page.locator("#versions-table tbody tr")).to_have_count(2)
+    expect(page.locator('tr[data-version="2"]')).to_contain_text("active")
+    # The slider: the shares show as it moves; saved, the API has the split.
+    page.locator("#weight-1").fill("25")
+    page.locator("#weight-2").fill("75")
+    expect(page.locator("#weight-1-value")).to_have_text("25 (25% of requests)")
+    page.get_by_role("button", name="Save split").click()
+    expect(page.locator(".notice")).to_contain_text("Traffic split saved")
+    adapter = httpx.get(f"{platform.url}/api/v1/adapters/canary", headers=headers).json()
+    assert adapter["traffic"] == {"1": 25, "2": 75}
+    platform.shoot(page, "adapter-versions")
+    # Rollback: version 1 takes every request, the split ends.
+    page.get_by_role("button", name="Make active version 1").click()
+    expect(page.locator('tr[data-version="1"]')).to_contain_text("active")
+    adapter = httpx.get(f"{platform.url}/api/v1/adapters/canary", headers=headers).json()
+    assert (adapter["version"], adapter["traffic"]) == (1, None)
+    # Pin and unpin: the engine holds the version pinned, then not.
+    page.get_by_role("button", name="Pin version 1").click()
+    expect(page.locator('tr[data-version="1"]')).to_contain_text("pinned")
+    listed = httpx.get(
+        f"{platform.engine_url}/internal/adapters",
+        headers={"X-Loraplex-Internal-Token": "internal-test-token"},
+    )
+    engine_names = {e["name"]: e for e in listed.json()["data"]}
+    assert engine_names[f"id:{adapter['id']}"]["pinned"] is True
+    page.get_by_role("button", name="Unpin version 1").click()
+    expect(page.locator('tr[data-version="1"]')).not_to_contain_text("pinned")
+
+    # A scoped key: inference only, one adapter, no base model; then rotated with an hour's overlap.
+    page.goto("/console/keys")
+    page.get_by_label("Name").fill("canary-only")
+    page.get_by_label("May", exact=True).select_option("inference")
+    page.get_by_label("Adapters").fill("canary")
+    page.get_by_role("button", name="Create key").click()
+    scoped = page.locator("#new-key-value").input_value()
+    models = httpx.get(f"{platform.url}/v1/models", headers=bearer(scoped)).json()["data"]
+    assert [m["id"] for m in models] == ["canary"]
+    refused = httpx.get(f"{platform.url}/api/v1/usage", headers=bearer(scoped))
+    assert refused.status_code == 403
+    row = page.locator("tr", has_text="canary-only")
+    expect(row).to_contain_text("inference")
+    row.get_by_label("Old key keeps working for").select_option("3600")
+    row.get_by_role("button", name="Rotate canary-only").click()
+    expect(page.locator("#new-key-heading")).to_contain_text("rotated")
+    rotated = page.locator("#new-key-value").input_value()
+    assert rotated != scoped
+    for key in (scoped, rotated):  # both work during the overlap
+        assert httpx.get(f"{platform.url}/v1/models", headers=bearer(key)).status_code == 200
+    platform.shoot(page, "keys-scoped")

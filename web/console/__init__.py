@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, RedirectResponse, Response
 from fastapi.staticfiles import StaticFiles
 
 from ..settings import Settings
-from . import adapters, admin, auth, keys, overview, playground, usage
+from . import adapters, admin, auth, keys, overview, playground, usage, versions
 from .forms import FormTooLarge
 from .rendering import render
 from .security import ConsoleForbidden, ConsoleSecurity, CsrfRefused, SignInRequired, current_user
@@ -28,7 +28,7 @@ STATIC = Path(__file__).parent / "static"
 def install(app: FastAPI, settings: Settings) -> None:
     app.state.console = ConsoleSecurity(settings)
     app.mount("/console/static", StaticFiles(directory=STATIC), name="console-static")
-    for module in (auth, overview, keys, adapters, playground, usage, admin):
+    for module in (auth, overview, keys, adapters, versions, playground, usage, admin):
         app.include_router(module.router)
     app.add_exception_handler(SignInRequired, _sign_in_required)  # type: ignore[arg-type]
     app.add_exception_handler(ConsoleForbidden, _forbidden)  # type: ignore[arg-type]

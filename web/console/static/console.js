@@ -286,7 +286,23 @@ function setUpPlayground() {
   });
 }
 
+function setUpTrafficSliders() {
+  // Each weight slider shows its value, and its share of the split, as it moves.
+  const sliders = [...document.querySelectorAll("input[type=range][data-weight-output]")];
+  function update() {
+    const total = sliders.reduce((sum, s) => sum + Number(s.value), 0);
+    for (const slider of sliders) {
+      const output = document.getElementById(slider.dataset.weightOutput);
+      const share = total ? Math.round((100 * Number(slider.value)) / total) : 0;
+      if (output) output.textContent = `${slider.value} (${share}% of requests)`;
+    }
+  }
+  for (const slider of sliders) slider.addEventListener("input", update);
+  if (sliders.length) update();
+}
+
 document.addEventListener("DOMContentLoaded", () => {
+  setUpTrafficSliders();
   setUpCopyButtons();
   setUpConfirmations();
   setUpUpload();
