@@ -383,7 +383,6 @@ def lora_grouped(
     counts: list[int],
     row_groups: torch.Tensor | None = None,
     scale: torch.Tensor | None = None,
-    scale_groups: torch.Tensor | None = None,
 ) -> None:
     """Add every token's own adapter delta to a projection's output, in place, adapter by adapter.
 
@@ -399,8 +398,7 @@ def lora_grouped(
     small matrices faster that way): the delta is computed in their dtype and rounded once into y.
     `scale` [G, out] (DoRA, engine/lora/dora.py): each adapter's g - 1 per output column (0 for plain
     LoRA adapters); then y[t] = (y[t] + delta) * (1 + scale[g]) for each token t of adapter g, computed
-    in a's dtype and rounded once; `scale_groups` [T_a] is each row's adapter for it (row_groups when
-    None).
+    in a's dtype and rounded once (each adapter's block of rows scaled by its own row, broadcast).
     """
     rows = x if order is None else x.index_select(0, order)
     rows = rows.to(a.dtype)
@@ -410,11 +408,12 @@ def lora_grouped(
     else:
         delta = grouped_matmul(grouped_matmul(rows, a, offsets, counts), b, offsets, counts)
     if scale is not None:
-        groups = scale_groups if scale_groups is not None else row_groups
-        if groups is None:
-            raise ValueError("a DoRA scale needs each row's adapter (scale_groups or row_groups)")
         base = y if order is None else y.index_select(0, order)
-        scaled = (base.to(delta.dtype) + delta) * (1 + scale.index_select(0, groups).to(delta.dtype))
+        scaled = delta.add_(base.to(delta.dtype))  # delta is this call's own tensor: reused in place
+        begin = 0
+        for group, count in enumerate(counts):  # the rows are grouped by adapter, counts[g] each
+            scaled[begin : begin + count].mul_(1 + scale[group].to(delta.dtype))
+            begin += count
         if order is None:
             y.copy_(scaled.to(y.dtype))
         else:

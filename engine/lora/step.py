@@ -91,11 +91,9 @@ class GroupPlan:
     order: torch.Tensor | None  # [T_a] rows of their tokens grouped by adapter (None: all rows, in order)
     offsets: torch.Tensor  # [G] int32 row ends within order
     counts: list[int]
-    # [T_a] each row's adapter (0..G-1) when the rows are few per adapter (reference.lora_grouped),
-    # or when a DoRA scale needs it
+    # [T_a] each row's adapter (0..G-1) when the rows are few per adapter (reference.lora_grouped)
     row_groups: torch.Tensor | None = None
     scale: torch.Tensor | None = None  # [L, G, out] DoRA g - 1 (Stack.scale)
-    scale_groups: torch.Tensor | None = None  # [T_a] each row's adapter, with a scale
 
 
 class LoraStep:
@@ -108,7 +106,7 @@ class LoraStep:
             scale = None if plan.scale is None else plan.scale[layer]
             reference.lora_grouped(
                 x, y, plan.a[layer], plan.b[layer], plan.order, plan.offsets, plan.counts, plan.row_groups,
-                scale, plan.scale_groups,
+                scale,
             )  # fmt: skip
 
 
@@ -187,13 +185,11 @@ def _grouped_rows(lora: LoraBatch, stack: Stack) -> GroupPlan:
 def _group_plan(lora: LoraBatch, stack: Stack) -> GroupPlan:
     """The group's plan; when its rows are few per adapter (decodes), also each row's adapter."""
     plan = _grouped_rows(lora, stack)
-    few = sum(plan.counts) <= ROWS_PER_ADAPTER_FOR_BATCHED_ROWS * len(plan.counts)
-    if few or stack.scale is not None:
+    plan.scale = stack.scale
+    if sum(plan.counts) <= ROWS_PER_ADAPTER_FOR_BATCHED_ROWS * len(plan.counts):
         device = stack.a.device
         counts = torch.tensor(plan.counts, device=device)
-        groups = torch.repeat_interleave(torch.arange(len(plan.counts), device=device), counts)
-        plan.row_groups = groups if few else None
-        plan.scale, plan.scale_groups = stack.scale, groups
+        plan.row_groups = torch.repeat_interleave(torch.arange(len(plan.counts), device=device), counts)
     return plan
 
 
