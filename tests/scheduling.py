@@ -4,8 +4,10 @@ does, with two changes.
 - Whole folders that must not run beside themselves are one scope. tests/cluster's modules each start a
   cluster in a box (a bridge, pods in network namespaces, engines holding gigabytes): two at once on a
   2-core machine would starve each other, so they run one after the other on one worker.
-- The longest scopes go first (tests/cluster, then modules with a test marked slow), so that the suite does
-  not end on one worker still running a walkthrough while the other sits idle. xdist's own reordering
+- The longest scopes go first (tests/cluster, then the AOT gate, then modules with a test marked slow), so
+  that the suite does not end on one worker still running a walkthrough while the other sits idle. The AOT
+  gate compiles in a pool of its own processes for minutes on a fresh machine: started beside the cluster
+  modules, it never becomes the suite's tail. xdist's own reordering
   counts tests, which says little about time: the walkthrough has seven tests and takes longest.
 
 Without -n none of this is used and tests run in collection order.
@@ -19,6 +21,8 @@ import pytest
 
 # Folders whose modules share one worker, one module after the other.
 ONE_WORKER = ("tests/cluster/",)
+# Modules that start right after the one-worker folders, on the other worker.
+EARLY = ("tests/engine/kernels/test_aot.py",)
 
 
 def scope_of(nodeid: str) -> str:
@@ -30,10 +34,12 @@ def scope_of(nodeid: str) -> str:
 
 
 def weight(items: list[pytest.Item]) -> int:
-    """Lower runs earlier: the one-worker folders, then scopes holding a slow test, then the rest."""
+    """Lower runs earlier: the one-worker folders, the EARLY modules, scopes holding a slow test, the rest."""
     if any(item.nodeid.startswith(ONE_WORKER) for item in items):
         return 0
-    return 1 if any(item.get_closest_marker("slow") for item in items) else 2
+    if any(item.nodeid.startswith(EARLY) for item in items):
+        return 1
+    return 2 if any(item.get_closest_marker("slow") for item in items) else 3
 
 
 def heavy_first(items: list[pytest.Item]) -> None:

@@ -38,12 +38,14 @@ def test_heavy_scopes_go_first_whole_and_in_their_own_order() -> None:
         Item("tests/cluster/test_harness.py::five"),
         Item("tests/c.py::six"),
         Item("tests/cluster/test_walkthrough.py::seven"),
+        Item("tests/engine/kernels/test_aot.py::eight"),
     ]
     ordered = cast(list[Any], list(items))
     heavy_first(cast(list[pytest.Item], ordered))
     assert [i.nodeid.rsplit("::", 1)[1] for i in ordered] == [
         "five",
         "seven",
+        "eight",
         "two",
         "three",
         "one",
