@@ -93,11 +93,19 @@ def reference_tokens(model, prompt: list[int], adapter: str | None) -> list[int]
 @pytest.fixture(scope="module")
 def requests_and_expected(smollm2, peft_model):  # type: ignore[no-untyped-def]
     """(prompt ids, adapter) for every adapter and the base, and PEFT's greedy tokens for each."""
+    from peft.tuners.lora import dora
+
     model, _ = peft_model
     tokenizer = smollm2.tokenizer
     adapters: list[str | None] = [*ADAPTERS, None]
     requests = [(tokenizer.encode(PROMPTS[i % len(PROMPTS)]), a) for i, a in enumerate(adapters)]
-    return requests, [reference_tokens(model, prompt, adapter) for prompt, adapter in requests]
+    # PEFT recomputes B·A and ||W0 + s·B·A|| at every forward unless told to keep them (in eval mode, per
+    # adapter): the same values, computed once per module instead of once per token.
+    caching, dora.ENABLE_DORA_CACHING = dora.ENABLE_DORA_CACHING, True
+    try:
+        return requests, [reference_tokens(model, prompt, adapter) for prompt, adapter in requests]
+    finally:
+        dora.ENABLE_DORA_CACHING = caching
 
 
 def test_dora_adapters_in_a_mixed_batch_match_peft(smollm2, peft_model, requests_and_expected) -> None:
