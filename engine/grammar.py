@@ -17,6 +17,7 @@ grammar (the end-of-sequence tokens once the JSON is complete). Rows without a g
 from __future__ import annotations
 
 import re
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -72,6 +73,8 @@ class GrammarCache:
         self.compiled: OrderedDict[str, Any] = OrderedDict()
         self._compiler: Any = None
         self.compilations = 0  # schemas compiled (not found in the cache): for tests and stats
+        # The server compiles on a worker thread (prepare) while the engine's loop reads the cache.
+        self._lock = threading.Lock()
 
     def grammar(self, spec: StructuredOutput) -> Grammar:
         """A fresh matcher for `spec`; LimitExceeded naming spec.param if its schema cannot compile."""
@@ -79,12 +82,19 @@ class GrammarCache:
 
         return Grammar(xgr.GrammarMatcher(self._compiled(spec), override_stop_tokens=self.eos_token_ids))
 
+    def prepare(self, spec: StructuredOutput) -> None:
+        """Compile `spec` into the cache (LimitExceeded naming spec.param if it cannot compile). The server
+        calls this on a worker thread before a request reaches the engine's loop: a new schema takes from
+        milliseconds to seconds to compile, and on the loop that would stall every running request."""
+        self._compiled(spec)
+
     def _compiled(self, spec: StructuredOutput) -> Any:
         key = spec.digest
-        found = self.compiled.get(key)
-        if found is not None:
-            self.compiled.move_to_end(key)
-            return found
+        with self._lock:
+            found = self.compiled.get(key)
+            if found is not None:
+                self.compiled.move_to_end(key)
+                return found
         try:
             found = self.compiler().compile_json_schema(
                 spec.schema, any_whitespace=False, separators=SEPARATORS, strict_mode=spec.strict
@@ -92,26 +102,31 @@ class GrammarCache:
         except RuntimeError as error:  # xgrammar's every refusal of a schema
             reason = _LOCATION.sub("", str(error).strip())
             raise LimitExceeded(spec.param, f"{spec.param} cannot be used as a grammar: {reason}") from None
-        self.compilations += 1
-        self.compiled[key] = found
-        if len(self.compiled) > self.size:
-            self.compiled.popitem(last=False)
+        with self._lock:
+            self.compilations += 1
+            self.compiled[key] = found
+            if len(self.compiled) > self.size:
+                self.compiled.popitem(last=False)
         return found
 
     def compiler(self) -> Any:
-        if self._compiler is None:
-            import xgrammar as xgr
-            from tokenizers import Tokenizer as BackendTokenizer
-            from transformers import PreTrainedTokenizerFast
+        with self._lock:  # built once, by whichever thread asks first
+            if self._compiler is None:
+                self._compiler = self._build_compiler()
+            return self._compiler
 
-            backend = BackendTokenizer.from_str(self.tokenizer.backend.to_str())  # a copy: the engine's stays
-            info = xgr.TokenizerInfo.from_huggingface(
-                PreTrainedTokenizerFast(tokenizer_object=backend),
-                vocab_size=self.vocab_size,
-                stop_token_ids=self.eos_token_ids,
-            )
-            self._compiler = xgr.GrammarCompiler(info, max_threads=2)
-        return self._compiler
+    def _build_compiler(self) -> Any:
+        import xgrammar as xgr
+        from tokenizers import Tokenizer as BackendTokenizer
+        from transformers import PreTrainedTokenizerFast
+
+        backend = BackendTokenizer.from_str(self.tokenizer.backend.to_str())  # a copy: the engine's stays
+        info = xgr.TokenizerInfo.from_huggingface(
+            PreTrainedTokenizerFast(tokenizer_object=backend),
+            vocab_size=self.vocab_size,
+            stop_token_ids=self.eos_token_ids,
+        )
+        return xgr.GrammarCompiler(info, max_threads=2)
 
 
 def mask_rows(logits: torch.Tensor, requests: Sequence[Request], rows: list[int]) -> torch.Tensor:

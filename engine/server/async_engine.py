@@ -239,6 +239,11 @@ class AsyncEngine:
         tenant_id = tenant.tenant_id
         if not self.accepting:
             raise EngineUnavailable(self.not_ready_reason)
+        grammars = self.engine.grammars
+        if params.structured is not None and grammars is not None:
+            # A new schema compiles off the loop thread (milliseconds to seconds): the steps of every other
+            # request go on meanwhile, and the engine then finds the grammar in its cache.
+            await asyncio.to_thread(grammars.prepare, params.structured)
         with self._pending_lock:
             waiting = self.waiting + self._pending_adds
             refusal = self._queued.refusal(self.queue_shares, tenant_id)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import jsonschema
@@ -16,7 +18,7 @@ import pytest
 from loraplex.engine.server.tools import ToolCalls
 from loraplex.wire import limits
 
-from .conftest import BASE, Server
+from .conftest import BASE, INTERNAL, Server
 from .test_openai_api import async_client, client
 
 PERSON = {
@@ -215,3 +217,52 @@ def test_tool_limits_are_400s_naming_the_field(server: Server) -> None:
             model=BASE, messages=WEATHER_ASK, max_tokens=5, tools=[WEATHER] * (limits.MAX_TOOLS + 1)
         )
     assert many.value.body["param"] == "tools"
+
+
+def test_a_new_schema_compiles_off_the_engine_loop(server: Server, monkeypatch: pytest.MonkeyPatch) -> None:
+    """While a new schema compiles, other requests are served: the server compiles it on a worker thread
+    before the request reaches the engine's loop (compiling on the loop would stall every running request).
+    The compiler is held mid-compile until a free request has been answered."""
+    grammars = server.engine.grammars
+    assert grammars is not None
+    real = grammars.compiler()
+    entered, release = threading.Event(), threading.Event()
+
+    class HeldCompiler:  # xgrammar's compiler is a native object: wrapped, not patched
+        def compile_json_schema(self, *args: Any, **kwargs: Any) -> Any:
+            entered.set()
+            release.wait(120)
+            return real.compile_json_schema(*args, **kwargs)
+
+    monkeypatch.setattr(grammars, "_compiler", HeldCompiler())
+    schema = {
+        "type": "object",
+        "properties": {"colour_of_the_loop_test": {"type": "string", "maxLength": 8}},
+        "required": ["colour_of_the_loop_test"],
+        "additionalProperties": False,
+    }
+    response_format: Any = {"type": "json_schema", "json_schema": {"name": "colour", "schema": schema}}
+    with ThreadPoolExecutor(1) as pool:
+        structured = pool.submit(
+            lambda: client(server).chat.completions.create(
+                model=BASE, messages=ASK, response_format=response_format, max_tokens=24, temperature=0
+            )
+        )
+        try:
+            assert entered.wait(60), "the schema never reached the compiler"
+            quick = openai.OpenAI(
+                base_url=f"{server.url}/v1",
+                api_key="unused",
+                default_headers=INTERNAL,
+                max_retries=0,
+                timeout=30,
+            )
+            free = quick.completions.create(model=BASE, prompt="Hello", max_tokens=3, temperature=0)
+            assert free.usage is not None and free.usage.completion_tokens >= 1
+            assert not structured.done()  # still compiling while the other request was answered
+        finally:
+            release.set()
+        answer = structured.result(timeout=120)
+    choice = answer.choices[0]
+    if choice.finish_reason == "stop":
+        jsonschema.validate(json.loads(choice.message.content or ""), schema)
