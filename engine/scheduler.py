@@ -326,9 +326,9 @@ class Scheduler:
             if chunk is not None:
                 held[request.request_id] = self._verified(chunk, accepted[i] if accepted is not None else 0)
         for chunk in plan.chunks:
-            if chunk.request.status is RequestStatus.RUNNING:  # its pages filled by the step are shared
-                upto = chunk.end - len(chunk.draft) + held.get(chunk.request.request_id, 0)
-                self.prefix_cache.commit(chunk.request, upto=upto)
+            # Its pages filled by the step are shared (a draft's once its tokens are appended, below).
+            if chunk.request.status is RequestStatus.RUNNING and not chunk.draft:
+                self.prefix_cache.commit(chunk.request, upto=chunk.end)
         took = []
         for request, token in zip(requests, sampled, strict=True):
             if request.finished:
@@ -337,12 +337,18 @@ class Scheduler:
             request.num_pending_tokens -= 1
             chunk = drafts.get(request.request_id)
             landed = [*chunk.draft[: held[request.request_id]], token] if chunk is not None else [token]
+            reason = None
             for each in landed:
                 self.queue.generated(request)
                 reason = self.stop.append(request, each)
                 if reason is not None:
-                    self.finish(request, reason)
                     break
+            if chunk is not None and request.status is RequestStatus.RUNNING:
+                # Through the accepted tokens, whose ids the page keys are made of: appended now.
+                upto = min(chunk.end - len(chunk.draft) + held[request.request_id], request.num_known_tokens)
+                self.prefix_cache.commit(request, upto=upto)
+            if reason is not None:
+                self.finish(request, reason)
         return took
 
     def _verified(self, chunk: ScheduledChunk, accepted: int) -> int:
@@ -354,6 +360,8 @@ class Scheduler:
         if request.finished:
             return 0
         accepted = max(0, min(int(accepted), len(chunk.draft)))
+        if self.proposer is not None and request.ngrams is not None:
+            self.proposer.verified(request.ngrams, len(chunk.draft), accepted)
         self.spec.drafts += 1
         self.spec.draft_tokens += len(chunk.draft)
         self.spec.accepted_tokens += accepted

@@ -40,6 +40,7 @@ class NgramIndex:
     latest: dict[tuple[int, ...], int] = field(default_factory=dict)
     indexed: int = 0  # n-grams ending at or before this are in `latest`
     matched: int = 0  # the length of the n-gram the last draft came from (0: none)
+    limit: int = 0  # the request's draft length now (NgramProposer.verified; 0: not set yet, k)
 
     def extend(self, request: DraftRequest) -> None:
         """Take the request's tokens that landed since the last call."""
@@ -94,9 +95,18 @@ class NgramProposer:
         return NgramIndex(self.min_n, self.max_n)
 
     def propose(self, index: NgramIndex, request: DraftRequest, k: int) -> list[int]:
-        """A draft of at most min(k, self.k) tokens for the request (empty: no match)."""
+        """A draft of at most min(k, self.k, index.limit) tokens for the request (empty: no match)."""
         index.extend(request)
-        return index.propose(min(k, self.k))
+        return index.propose(min(k, self.k, index.limit or self.k))
+
+    def verified(self, index: NgramIndex, drafted: int, accepted: int) -> None:
+        """Adapt the request's draft length to how its drafts fare (transformers' heuristic schedule for
+        assisted generation): two more after a draft that held whole, one less after one that did not,
+        between 1 and k. A reply that copies its input soon drafts k tokens at a time; where it departs
+        from it, a refused draft costs few positions. Outputs do not depend on it (greedy ones are the
+        same whatever the draft; sampled ones keep their distribution)."""
+        limit = index.limit or self.k
+        index.limit = min(self.k, limit + 2) if accepted >= drafted else max(1, limit - 1)
 
 
 @dataclass

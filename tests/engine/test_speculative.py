@@ -241,6 +241,18 @@ def test_seeded_sampling_repeats_and_greedy_rows_beside_it_are_unchanged(plain) 
     assert [len(o.token_ids) for o in again] == [24, 24]
 
 
+def test_pages_a_draft_filled_are_cached_under_their_own_tokens() -> None:
+    """Pages holding accepted draft tokens join the prefix cache keyed by those tokens: a prompt that
+    repeats the first reply finds every full page of it."""
+    engine = _engine(speculative="ngram", page_size=4)
+    prompt = PROMPTS[1]
+    first = engine.generate([prompt], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))[0]
+    assert engine.stats().spec.accepted_tokens > 8  # type: ignore[union-attr]
+    follow = prompt + first.token_ids[:20]
+    again = engine.generate([follow], SamplingParams(max_tokens=1, temperature=0.0))[0]
+    assert again.num_cached_tokens == (len(follow) - 1) // 4 * 4
+
+
 # -- what the server shows ------------------------------------------------------------------------------
 
 
