@@ -63,37 +63,54 @@ def _misspell(sentence: str, rng: random.Random) -> str:
     return " ".join(words)
 
 
-def workload(count: int, seed: int) -> list[str]:
-    """`count` user messages, cycling prose, code and list edits, from `seed`."""
+EDITOR = "You are an editor. Reply with the edited text only."
+CODE_EDITOR = "You are a code editor. Reply with the corrected code only."
+KINDS = ("spelling", "replace", "list", "code")
+DEFAULT_KINDS = ("spelling", "replace", "list")
+
+
+def _message(kind: str, rng: random.Random) -> list[dict[str, str]]:
+    """One chat (system and user message) of the given kind, from `rng`."""
+    if kind == "spelling":
+        text = " ".join(_misspell(s, rng) for s in rng.sample(SENTENCES, 4))
+        return [
+            {"role": "system", "content": EDITOR},
+            {"role": "user", "content": f"Correct the mistakes: {text}"},
+        ]
+    if kind == "replace":
+        text = " ".join(rng.sample(SENTENCES, 4))
+        word = rng.choice([w for w in text.split() if len(w) > 4 and w.isalpha() and w.islower()])
+        return [
+            {"role": "system", "content": EDITOR},
+            {"role": "user", "content": f"Replace every '{word}' with '{word.upper()}' in: {text}"},
+        ]
+    if kind == "list":
+        items = rng.sample(ITEMS, 6)
+        lines = "\n".join(f"- {rng.randrange(1, 6)} {_misspell(item, rng)}" for item in items)
+        return [
+            {"role": "system", "content": EDITOR},
+            {"role": "user", "content": f"Correct the spelling in this list:\n{lines}"},
+        ]
+    names = rng.sample(("total", "amount", "subtotal", "cost", "value"), 1)
+    code = CODE.format(
+        name=rng.choice(("compute_bill", "order_total", "checkout")),
+        items=rng.choice(("items", "cart", "products")),
+        rate=rng.choice(("tax_rate", "rate")),
+        total=names[0],
+        limit=rng.randrange(20, 90),
+        discount=rng.randrange(2, 9),
+    )
+    code = code.replace("quantity", "quantiy", 1)
+    return [
+        {"role": "system", "content": CODE_EDITOR},
+        {"role": "user", "content": f"Fix the typo in this code:\n\n```python\n{code}```"},
+    ]
+
+
+def workload(count: int, seed: int, kinds: tuple[str, ...] = DEFAULT_KINDS) -> list[list[dict[str, str]]]:
+    """`count` chats cycling through `kinds`, from `seed`."""
     rng = random.Random(seed)
-    messages = []
-    for index in range(count):
-        kind = index % 3
-        if kind == 0:
-            text = " ".join(_misspell(s, rng) for s in rng.sample(SENTENCES, 5))
-            messages.append(f"Fix the spelling mistakes in this text and write out the whole text:\n\n{text}")
-        elif kind == 1:
-            names = rng.sample(("total", "amount", "subtotal", "cost", "value"), 2)
-            code = CODE.format(
-                name=rng.choice(("compute_bill", "order_total", "checkout")),
-                items=rng.choice(("items", "cart", "products")),
-                rate=rng.choice(("tax_rate", "rate")),
-                total=names[0],
-                limit=rng.randrange(20, 90),
-                discount=rng.randrange(2, 9),
-            )
-            messages.append(
-                f"Rename the variable `{names[0]}` to `{names[1]}` in this Python function and write out "
-                f"the whole function:\n\n```python\n{code}```"
-            )
-        else:
-            items = rng.sample(ITEMS, 6)
-            lines = "\n".join(f"- {rng.randrange(1, 6)} {item}" for item in items[:5])
-            messages.append(
-                f"Here is my shopping list:\n{lines}\n\nAdd {items[5]} at the end and write out the "
-                "whole list."
-            )
-    return messages
+    return [_message(kinds[index % len(kinds)], rng) for index in range(count)]
 
 
 @dataclass
@@ -147,9 +164,10 @@ def run(args: argparse.Namespace) -> int:
     )
     tokenizer = plain.tokenizer
     assert tokenizer is not None
-    prompts = [
-        tokenizer.encode_chat([{"role": "user", "content": m}]) for m in workload(args.prompts, args.seed)
-    ]
+    kinds = tuple(args.kinds.split(","))
+    if not kinds or any(k not in KINDS for k in kinds):
+        raise SystemExit(f"--kinds takes a comma-separated list of {', '.join(KINDS)}")
+    prompts = [tokenizer.encode_chat(chat) for chat in workload(args.prompts, args.seed, kinds)]
     for engine in (plain, spec):  # one-time costs out of the figures
         _generate(engine, prompts[0][:16], 4)
     runs = {"plain": Run("without speculation"), "spec": Run(f"ngram k={args.k}")}
@@ -193,7 +211,7 @@ def run(args: argparse.Namespace) -> int:
         return 0 if identical else 1
     print(machine_line())
     print(
-        f"{len(prompts)} prompts (prose, code and list edits), greedy, at most {args.max_tokens} tokens, one "
+        f"{len(prompts)} prompts ({', '.join(kinds)} edits), greedy, at most {args.max_tokens} tokens, one "
         f"stream; model {loaded.source} ({plain_config.dtype_name(torch.device('cpu'))}, quantization "
         f"{loaded.quantization}); k={args.k}, n-grams {args.ngram_max}..{args.ngram_min}; best of "
         f"{args.repeats} per prompt"
@@ -214,7 +232,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto", help="the engines' dtype (auto: float32 on most CPUs)")
     parser.add_argument("--quantization", default="none", help="the engines' weight quantization")
     parser.add_argument("--prompts", type=int, default=6, help="prompts in the workload")
-    parser.add_argument("--max-tokens", type=int, default=192, help="tokens per reply at most")
+    parser.add_argument(
+        "--kinds",
+        default=",".join(DEFAULT_KINDS),
+        help=f"edits the prompts cycle through, of {', '.join(KINDS)}",
+    )
+    parser.add_argument("--max-tokens", type=int, default=160, help="tokens per reply at most")
     parser.add_argument("-k", type=int, default=8, help="draft tokens per step at most")
     parser.add_argument("--ngram-max", type=int, default=3, help="longest n-gram matched")
     parser.add_argument("--ngram-min", type=int, default=1, help="shortest n-gram matched")
