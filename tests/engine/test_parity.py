@@ -67,6 +67,17 @@ def test_greedy_tokens_match_one_at_a_time(smollm2, prompts, reference) -> None:
     assert engine.pool.pages_by_kind()["kv"] == 0
 
 
+def test_greedy_tokens_match_with_speculative_decoding(smollm2, prompts, reference) -> None:
+    """Prompt-lookup drafts verified on the prefill path change no greedy token (issue 30)."""
+    engine = engine_for(smollm2, speculative="ngram", num_speculative_tokens=4)
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
+    outputs = engine.generate([prompts[i] for i in ALONE], params)
+    for i, output in zip(ALONE, outputs, strict=True):
+        assert output.token_ids == reference[i]["tokens"], i
+    assert engine.stats().spec.drafts > 0  # type: ignore[union-attr]
+    assert engine.pool.pages_by_kind()["kv"] == 0
+
+
 def test_greedy_tokens_match_concurrently_under_preemption(smollm2, prompts, reference) -> None:
     # The longest prompt plus its output needs 25 pages of 16; 40 pages cannot hold all 20 requests,
     # and a 96-token step budget forces chunked prefill of every longer prompt.
