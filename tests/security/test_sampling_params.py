@@ -252,9 +252,9 @@ def recorded() -> Iterator[Recorded]:
     sampled: list[SamplingParams] = []
     real = runner_module.sample_step
 
-    def recording(logits: Any, requests: Any, finite: Any = None, penalties: Any = None) -> Any:
+    def recording(logits: Any, requests: Any, *args: Any, **kwargs: Any) -> Any:
         sampled.extend(r.params for r in requests)
-        return real(logits, requests, finite, penalties)
+        return real(logits, requests, *args, **kwargs)
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(runner_module, "sample_step", recording)
