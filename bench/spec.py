@@ -229,7 +229,12 @@ def run(args: argparse.Namespace) -> int:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="a model path or URI (default: SmolLM2-135M's GGUF)")
-    parser.add_argument("--dtype", default="auto", help="the engines' dtype (auto: float32 on most CPUs)")
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        help="the engines' dtype: float32, where greedy replies are exact (in bfloat16 a reply can change "
+        "with the step's shape: a prefix-cache hit or a verify step rounds differently)",
+    )
     parser.add_argument("--quantization", default="none", help="the engines' weight quantization")
     parser.add_argument("--prompts", type=int, default=6, help="prompts in the workload")
     parser.add_argument(
