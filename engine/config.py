@@ -163,6 +163,17 @@ class EngineConfig:
             choices=("auto", "on", "off"),
         ),
     ] = "auto"
+    compile_decode: Annotated[
+        bool,
+        Opt(
+            "on the CPU, decode-only steps through a decoder layer compiled by torch.compile (Inductor's "
+            "C++ backend: a few fused loops per layer instead of hundreds of small ops), padded to "
+            "batch-size buckets; compiled at start-up (tens of seconds, kept in Inductor's disk cache, "
+            "TORCHINDUCTOR_CACHE_DIR or ~/.cache/loraplex/inductor, for the next start), never on a "
+            "request's path; other steps (prefill, speculative verify, DoRA adapters) run eagerly; "
+            "ignored on CUDA"
+        ),
+    ] = False
     async_scheduling: Annotated[
         str,
         Opt(
@@ -248,7 +259,13 @@ class EngineConfig:
 
     def graph_ready(self, device: torch.device) -> bool:
         """Whether decode-only steps are padded to fixed shapes per batch-size bucket."""
+        if self.compiles_decode(device):
+            return True
         return self.graph_decode == "on" or (self.graph_decode == "auto" and device.type == "cuda")
+
+    def compiles_decode(self, device: torch.device) -> bool:
+        """Whether decode-only steps run through the compiled decode layer (the CPU only)."""
+        return self.compile_decode and device.type == "cpu"
 
     def overlaps(self, device: torch.device) -> bool:
         """Whether the step's token-independent host work overlaps its device work."""

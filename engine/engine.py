@@ -34,6 +34,7 @@ from loraplex.wire.errors import StepError as StepError  # what step() raises (f
 from loraplex.wire.limits import LOGPROBS, LimitExceeded, check_number
 
 from .batch import DecodeBuckets
+from .compiled_decode import CompiledDecode
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
 from .fairness import FairQueue, FirstComeQueue, VirtualTokenCounter
@@ -189,12 +190,18 @@ class LLMEngine:
         if buckets is not None and use_kernels and device.type == "cuda":
             # Graph-ready decode steps on CUDA replay captured graphs, one per bucket and adapter set.
             graphs = DecodeGraphs(CudaGraphBackend(device))
-        self.runner = ModelRunner(loaded.model, self.cache, stacker, use_kernels, buckets, graphs)
+        compiled = None
+        if buckets is not None and config.compiles_decode(device) and not use_kernels:
+            compiled = CompiledDecode(loaded.model, self.cache.memory, config.page_size)
+        self.runner = ModelRunner(loaded.model, self.cache, stacker, use_kernels, buckets, graphs, compiled)
         self.guard = FaultGuard(self.runner, self.scheduler, self.registry, self._end_with_error)
         self._overlap = config.overlaps(device)
         self._in_flight: StepHandle | None = None  # async scheduling: the step launched, not yet read
         if use_kernels:  # compiles every kernel variant now, so no request waits on one; nothing off CUDA
             warm_up(model_config, dtype, config.page_size, config.max_num_seqs, device)
+        if compiled is not None and buckets is not None and isinstance(stacker, LoraStacker):
+            # Every graph the decode steps can need, now: no request waits on a compile.
+            compiled.warm_up(buckets.sizes, buckets.padding_page, stacker.widths(), stacker.dtype)
         self._requests: dict[str, Request] = {}
         # Requests waiting for another's prompt to be computed (add_request's shares_prompt_with), by the
         # id of the one they wait for: queued once it has an output.

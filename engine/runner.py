@@ -10,6 +10,7 @@ queues the draw and returns a `StepHandle`, whose one device-to-host copy is mad
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -17,6 +18,7 @@ import torch
 
 from .attention import ReferenceAttention, TritonAttention
 from .batch import BatchBuilder, Chunk, DecodeBuckets, StepBatch, StepChunk, order_chunks
+from .compiled_decode import CompiledDecode, LoraStacks, NotCompiled, make_stacks
 from .graphs import DecodeGraphs, tensor_key
 from .kv_cache import KVCache
 from .lora.step import KernelLoraStacker, KernelLoraStep, LoraStacker, LoraStep
@@ -26,6 +28,8 @@ from .prompt_logprobs import PromptScores, scored_rows
 from .request import Request
 from .sampler import DraftLogits, StepSample, sample_step
 from .scheduler import ScheduledChunk, StepPlan
+
+log = logging.getLogger(__name__)
 
 
 class NonFiniteLogits(RuntimeError):
@@ -86,14 +90,20 @@ class ModelRunner:
         use_kernels: bool = False,
         buckets: DecodeBuckets | None = None,
         graphs: DecodeGraphs | None = None,
+        compiled: CompiledDecode | None = None,
     ):
         """`use_kernels`: attention and LoRA through the Triton kernels (CUDA, or the CPU interpreter)
         instead of the plain-torch reference ops. `buckets`: decode-only steps graph-ready (padded to
         fixed shapes per batch-size bucket, engine/batch.py). `graphs`: replay those steps from captured
         graphs (engine/graphs.py); needs `buckets` and the kernels, whose launches read only device
-        buffers."""
+        buffers. `compiled`: run those steps through the compiled decode step instead (the CPU,
+        engine/compiled_decode.py); a step it has no graph for runs eagerly."""
         if graphs is not None and (buckets is None or not use_kernels):
             raise ValueError("decode graphs need graph-ready buckets and the Triton kernels")
+        if compiled is not None and (
+            buckets is None or use_kernels or (lora is not None and not isinstance(lora, LoraStacker))
+        ):
+            raise ValueError("the compiled decode step needs graph-ready buckets and the torch path")
         self.model = model
         self.cache = cache
         self.lora = lora
@@ -102,6 +112,8 @@ class ModelRunner:
         self.scale = model.config.head_dim**-0.5
         self.builder = BatchBuilder(cache.page_size, self.device, buckets)
         self.graphs = graphs
+        self.compiled = compiled
+        self._compiled_stacks: tuple[object, LoraStacks] | None = None  # the last set's (see _stacks)
         # The penalised requests' output tokens, kept on the device between steps (engine/penalties.py).
         self.penalties = PenaltyStore(model.config.vocab_size, self.device)
 
@@ -253,11 +265,46 @@ class ModelRunner:
     def execute(self, batch: StepBatch) -> torch.Tensor:
         """Float32 logits [S, vocab] for the batch's sampled rows, in chunk order (padding rows, if
         any, last). Reads no device value on the host: nothing here waits for the device."""
-        lora = self.lora.build(batch) if self.lora is not None else None
         bucket = self._bucket(batch)
+        if self.compiled is not None and bucket is not None:
+            logits = self._compiled(batch, self.compiled)
+            if logits is not None:
+                return logits
+        lora = self.lora.build(batch) if self.lora is not None else None
         if self.graphs is not None and bucket is not None:
             return self.graphs.run(self._graph_key(batch, bucket), self._forward(batch, lora), keep=(lora,))
         return self._forward(batch, lora)()
+
+    def _compiled(self, batch: StepBatch, compiled: CompiledDecode) -> torch.Tensor | None:
+        """The logits of a graph-ready decode step from the compiled step; None: run it eagerly (a DoRA
+        adapter in the step, or no graph for it)."""
+        stacks = None
+        if batch.lora is not None and batch.lora.decode_slots is not None:
+            if self.lora is None:
+                return None
+            stacks = self._stacks(batch.lora.adapters)
+            if stacks is None:
+                return None
+        try:
+            return compiled.run(batch, stacks)
+        except NotCompiled as error:
+            if compiled.fallbacks == 1:
+                log.warning("a decode step ran eagerly: the compiled step has no graph for it (%s)", error)
+            return None
+
+    def _stacks(self, adapters: tuple[str, ...]) -> LoraStacks | None:
+        """The compiled step's stacks of an adapter set, made once per set of the stacker's (its stacks
+        are the same object until the set or an adapter's pages change); None with a DoRA adapter."""
+        assert isinstance(self.lora, LoraStacker)
+        source = self.lora.stacks(adapters)
+        if self._compiled_stacks is not None and self._compiled_stacks[0] is source:
+            return self._compiled_stacks[1]
+        if any(stack.scale is not None for stack in source.values()):
+            return None
+        model = self.model.config
+        stacks = make_stacks(source, len(adapters), self.lora.widths(), model.num_layers, self.lora.dtype)
+        self._compiled_stacks = (source, stacks)
+        return stacks
 
     def _forward(
         self, batch: StepBatch, lora: LoraStep | KernelLoraStep | None

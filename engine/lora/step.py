@@ -25,7 +25,7 @@ from loraplex.adapters import BaseShape
 from ..batch import LoraBatch, LoraSegments, StepBatch
 from ..kernels import reference
 from ..kernels.lora_meta import LoRAKernelMeta
-from .layout import GROUPS
+from .layout import GROUPS, group_width
 from .tables import AdapterRows, LoraTables, ResidentTables
 
 
@@ -130,6 +130,15 @@ class LoraStacker:
         for group, stack in self._stacks(lora.adapters).items():
             plans[group] = _group_plan(lora, stack)
         return LoraStep(plans)
+
+    def stacks(self, names: tuple[str, ...]) -> dict[str, Stack]:
+        """The set's stacks by group (only the groups some of them adapt): the same dict object until
+        the set or the residency's version changes."""
+        return self._stacks(names)
+
+    def widths(self) -> dict[str, tuple[int, int]]:
+        """(in, out) features of each group's fused matmul."""
+        return {group: group_width(self.residency.base, group) for group in GROUPS}
 
     def _gather(self, names: tuple[str, ...]) -> dict[str, Stack]:
         pool_rows = self.residency.pool_rows
