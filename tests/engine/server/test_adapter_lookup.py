@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -32,20 +33,29 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Path
 
 
 class HeldSteps:
-    """Makes every engine step wait until released; says when one has started waiting."""
+    """Makes every engine step wait until released (all from then on, or exactly one); says when one has
+    started waiting."""
 
     def __init__(self, engine: LLMEngine, monkeypatch: pytest.MonkeyPatch):
         self.started = threading.Event()
         self.released = threading.Event()
+        self._one = threading.Semaphore(0)
         step = engine.step
 
         def held_step() -> list[RequestOutput]:
             self.started.set()
-            if not self.released.wait(HOLD_LIMIT_S):
-                raise AssertionError("the test never released the step")
+            deadline = time.monotonic() + HOLD_LIMIT_S
+            while not self.released.is_set() and not self._one.acquire(timeout=0.01):
+                if time.monotonic() > deadline:
+                    raise AssertionError("the test never released the step")
+            self.started.clear()
             return step()
 
         monkeypatch.setattr(engine, "step", held_step)
+
+    def release_one(self) -> None:
+        """Let the step that waits now (or the next) run; the one after it waits again."""
+        self._one.release()
 
 
 def test_adapter_lookups_answer_while_a_step_runs(
@@ -96,10 +106,11 @@ def test_adapter_lookups_answer_while_a_step_runs(
             unregistering = asyncio.ensure_future(served.unregister_adapter("b"))
             await asyncio.sleep(0)  # one turn of the event loop: the task posts its command
             assert not unregistering.done() and served.adapter("b") is not None
-            held.released.set()
-            assert await unregistering is False
+            held.release_one()  # the held step runs, then the command, and the next step waits: the
+            assert await unregistering is False  # request is still running when we look (3 tokens)
             assert served.adapter("b") is None and served.adapter_names() == []
             assert engine.adapter_view["b"].draining
+            held.released.set()
             while not (await stream.next()).finished:
                 pass
         finally:
