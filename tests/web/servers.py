@@ -1,12 +1,15 @@
-"""Real HTTP servers for gateway tests: any ASGI app on a 127.0.0.1 port, and a stub engine."""
+"""Real HTTP servers for gateway tests: any ASGI app on a 127.0.0.1 port, a stub engine, and a pod that hangs
+up on every request (what a replica shutting down does to a kept-alive connection)."""
 
 from __future__ import annotations
 
 import json
+import socket
+import socketserver
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -119,3 +122,34 @@ class StubEngine:
             }
             yield f"data: {json.dumps(final)}\n\n".encode()
         yield b"data: [DONE]\n\n"
+
+
+class HangUp(socketserver.ThreadingTCPServer):
+    """Accepts a connection, reads the request and closes it without a byte of answer: httpx reports
+    "Server disconnected without sending a response" (RemoteProtocolError), as it does when a pod that is
+    going away drops a kept-alive connection the gateway just sent on."""
+
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self) -> None:
+        self.connections = 0
+
+        class Handler(socketserver.BaseRequestHandler):
+            def handle(inner) -> None:  # the handler's self; `self` is the server's
+                self.connections += 1
+                inner.request.settimeout(5)
+                with suppress(OSError):
+                    inner.request.recv(65536)
+                inner.request.shutdown(socket.SHUT_RDWR)
+
+        super().__init__(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+    def close(self) -> None:
+        self.shutdown()
+        self.server_close()

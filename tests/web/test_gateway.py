@@ -24,7 +24,7 @@ from loraplex.wire import limits
 from ..security.engine_stub import Engine
 from .conftest import ADMIN, SHAPE, Api, free_port, loose, recorded_usage, upload
 from .console_client import make_user, sign_in
-from .servers import StubEngine, serve
+from .servers import HangUp, StubEngine, serve
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -116,6 +116,32 @@ def test_routes_by_adapter_affinity_with_headers_and_falls_back(setup: Setup) ->
         assert response.json()["served_by"] == setup.engines[other].name
         assert len(setup.engines[other].received) == before + 1
     assert order[0] == closed  # the fallback really was exercised
+
+
+def test_a_replica_that_hangs_up_before_answering_goes_to_the_next_replica(setup: Setup) -> None:
+    """A pod going away may close the connection the gateway just sent on, with no answer at all (seen in
+    the walkthrough's scale-in): nothing was produced, so the next replica takes the request."""
+    sha = str(setup.adapter["sha256"])
+    preferred, other = rendezvous_order(f"adapter:{sha}", list(setup.engines))
+    for _ in range(200):  # a hanging-up address that ranks first for this adapter
+        hang_up = HangUp()
+        setup.stack.callback(hang_up.close)
+        endpoints = [hang_up.url if e == preferred else e for e in setup.engines]
+        if rendezvous_order(f"adapter:{sha}", endpoints)[0] == hang_up.url:
+            break
+    with setup.app.state.db.session() as session:
+        deployment = session.scalar(select(Deployment))
+        assert deployment is not None
+        deployment.endpoints = endpoints
+        session.commit()
+    with httpx.Client(base_url=setup.url, headers=setup.headers, timeout=10) as client:
+        response = client.post("/v1/chat/completions", json=chat())
+        assert response.status_code == 200, response.text
+        assert response.json()["served_by"] == setup.engines[other].name
+        with client.stream("POST", "/v1/chat/completions", json=chat(stream=True)) as stream:
+            assert stream.status_code == 200
+            assert "data: [DONE]" in stream.read().decode()
+    assert hang_up.connections >= 1  # it really was asked first
 
 
 def test_streams_without_buffering_and_records_exact_usage(setup: Setup) -> None:

@@ -41,6 +41,18 @@ from .scopes import KeyLimits, ScopeRefused, require_adapter, require_base_model
 
 log = logging.getLogger("loraplex.web.gateway")
 
+# What a replica that produced nothing looks like from here: it refused the connection, or it took the
+# request and closed the connection without a byte of answer (a pod going away drops the kept-alive
+# connection the gateway just sent on: httpx says "Server disconnected without sending a response"). The
+# next replica may take such a request. A timeout is not one of them: that replica may be working on it.
+NO_ANSWER: tuple[type[httpx.HTTPError], ...] = (
+    httpx.ConnectError,
+    httpx.ConnectTimeout,
+    httpx.RemoteProtocolError,
+    httpx.ReadError,
+    httpx.WriteError,
+)
+
 # Seconds a client is told to wait when no replica (or the adapter store behind one) can serve it now.
 RETRY_AFTER_S = 5
 
@@ -351,8 +363,8 @@ class Gateway:
     async def _open(
         self, target: gateway.Target, endpoint: str, content: bytes, headers: dict[str, str], tokens: int
     ) -> tuple[httpx.Response, Work]:
-        """Send to the replica the router picks; on a refused connection, the next one. The request is
-        outstanding on its replica (the router's load signal) until the returned work is done."""
+        """Send to the replica the router picks; where it answered nothing (NO_ANSWER), the next one. The
+        request is outstanding on its replica (the router's load signal) until the returned work is done."""
         last: httpx.HTTPError = httpx.ConnectError("the deployment has no endpoints")
         headers = {**headers, "Content-Type": "application/json"}
         ref, key = target.adapter, target.affinity_key
@@ -365,10 +377,10 @@ class Gateway:
             )
             work = self.router.begin(replica, target.affinity_key, tokens)
             try:
-                response = await self.http.send(request, stream=True)
-            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+                response = await self.http.send(request, stream=True)  # returns once the headers are in
+            except NO_ANSWER as exc:
                 work.done()
-                log.warning("engine replica unreachable", extra={"replica": replica})
+                log.warning("engine replica unreachable", extra={"replica": replica, "error": repr(exc)})
                 self.router.mark_down(replica)
                 last = exc
                 continue

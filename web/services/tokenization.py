@@ -27,6 +27,7 @@ from loraplex.wire import limits
 from ..db.session import Database
 from . import gateway
 from .completions import (
+    NO_ANSWER,
     RETRY_AFTER_S,
     Completion,
     EngineRefused,
@@ -124,8 +125,8 @@ class Tokenization:
             work = self.router.begin(replica, None)
             try:
                 response = await self.http.post(f"{replica}/{endpoint}", content=content, headers=headers)
-            except (httpx.ConnectError, httpx.ConnectTimeout):
-                log.warning("engine replica unreachable", extra={"replica": replica})
+            except NO_ANSWER as exc:  # tokenizing is idempotent: the next replica may answer
+                log.warning("engine replica unreachable", extra={"replica": replica, "error": repr(exc)})
                 self.router.mark_down(replica)
                 continue
             except httpx.TimeoutException:
