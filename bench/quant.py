@@ -96,11 +96,14 @@ def engine_cases(args: argparse.Namespace) -> list[tuple[str, int, list[str | No
     ]
 
 
-def build_engine(dtype: str, quantization: str, args: argparse.Namespace) -> Any:
+def build_engine(dtype: str, quantization: str, args: argparse.Namespace, compiled: bool = False) -> Any:
     from loraplex.engine import EngineConfig, LLMEngine, SamplingParams
     from loraplex.engine.lora.synthetic import SyntheticAdapter
 
-    engine = LLMEngine(EngineConfig(model=args.model, device="cpu", dtype=dtype, quantization=quantization))
+    config = EngineConfig(
+        model=args.model, device="cpu", dtype=dtype, quantization=quantization, compile_decode=compiled
+    )
+    engine = LLMEngine(config)
     shape = engine.loaded.config.lora_shape()
     for i in range(args.adapters):
         engine.register_adapter(f"a{i}", SyntheticAdapter(shape, seed=i + 1, rank=8))
@@ -370,7 +373,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--settings",
         default=",".join(f"{d}:{q}" for d, q in SETTINGS),
-        help="dtype:quantization pairs to measure, comma-separated",
+        help="dtype:quantization pairs to measure, comma-separated; dtype:quantization:compiled for the "
+        "compiled decode step (compile_decode)",
+    )
+    parser.add_argument(
+        "--compiled",
+        action="store_true",
+        help="measure every setting eager and with the compiled decode step",
     )
     parser.add_argument("--model", default=None, help="engine model (default: SmolLM2-135M-Instruct GGUF)")
     parser.add_argument("--skip-llama-cpp", action="store_true")
@@ -385,10 +394,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from loraplex.engine.model.loader import default_model_path
 
-    settings = [tuple(s.split(":", 1)) for s in args.settings.split(",") if s]
-    if any(len(s) != 2 for s in settings):
-        raise SystemExit("--settings takes dtype:quantization pairs, e.g. bfloat16:int8")
-    engines = {f"{d} {q}": build_engine(d, q, args) for d, q in settings}
+    settings = [tuple(s.split(":")) for s in args.settings.split(",") if s]
+    if any(len(s) not in (2, 3) or s[2:] not in ((), ("compiled",)) for s in settings):
+        raise SystemExit(
+            "--settings takes dtype:quantization pairs, e.g. bfloat16:int8, or bfloat16:int4:compiled"
+        )
+    if args.compiled:  # each setting eager and compiled, in the same run
+        settings = [(*s[:2], *mode) for s in settings for mode in ((), ("compiled",))]
+    engines = {" ".join(s): build_engine(s[0], s[1], args, compiled=len(s) == 3) for s in settings}
     vocab = next(iter(engines.values())).loaded.config.vocab_size
     prompts = make_prompts(args.streams, args.prompt_len, vocab, args.seed)
     cases = engine_cases(args)
