@@ -270,6 +270,8 @@ class CompiledDecode:
     def __init__(self, model: LlamaModel, memory: torch.Tensor, page_size: int):
         if model.device.type != "cpu":
             raise ValueError("the compiled decode step is for the CPU; CUDA replays captured graphs")
+        # Inductor reads its cache's place from the environment when it first compiles: ours, unless set.
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(default_cache_dir()))
         self.model = model
         self.memory = memory
         self.page_size = page_size

@@ -60,8 +60,10 @@ class EngineConfig:
         Opt(
             "weight-only quantization of the base model's linear layers (adapters stay in the activation "
             "dtype): int8 per output channel; int4 in groups of 32 weights (GGUF Q4_0/Q4_1 tensors are kept "
-            "as they are), int4-g128 in groups of 128; the lm_head is int8 in every mode",
-            choices=QUANTIZATIONS,
+            "as they are), int4-g128 in groups of 128; the lm_head is int8 in every mode; auto is int4 on "
+            "the CPU for a local GGUF file whose layer weights are Q4_0/Q4_1 (the default model's are), "
+            "none otherwise",
+            choices=(*QUANTIZATIONS, "auto"),
         ),
     ] = "none"
     page_size: Annotated[int, Opt("tokens per page of the pool", minimum=1)] = 16

@@ -107,7 +107,7 @@ class LLMEngine:
         elif (
             loaded.model.dtype != dtype
             or loaded.model.device.type != device.type
-            or loaded.quantization != config.quantization
+            or config.quantization not in (loaded.quantization, "auto")
         ):
             raise ValueError(
                 f"the loaded model is {loaded.model.dtype} on {loaded.model.device} with quantization "
@@ -213,11 +213,12 @@ class LLMEngine:
             GrammarCache(self.tokenizer, model_config.vocab_size, eos) if self.tokenizer is not None else None
         )
         log.info(
-            "engine ready: %s, %s, quantization %s, weights %.1f MiB, %d pages of %d tokens (%.1f MiB), "
-            "max_model_len %d",
+            "engine ready: %s, %s, quantization %s, decode %s, weights %.1f MiB, %d pages of %d tokens "
+            "(%.1f MiB), max_model_len %d",
             loaded.source,
             dtype,
             loaded.quantization,
+            "compiled" if compiled is not None else "CUDA graphs" if graphs is not None else "eager",
             self.weight_bytes / 2**20,
             num_pages,
             config.page_size,

@@ -203,6 +203,16 @@ def load_gguf(
     return config, metadata, weights
 
 
+def int4_share(path: Path) -> float:
+    """The share of the file's 2-D layer weights stored as Q4_0/Q4_1 blocks (read from the header only):
+    what quantization `auto` keeps as int4 when it is most of them."""
+    header = parse_gguf_header(_map(path), str(path))
+    matrices = [t for t in header.tensors if t.name.startswith("blk.") and len(t.dims) == 2]
+    if not matrices:
+        return 0.0
+    return sum(t.ggml_type.name in _INT4_BLOCKS for t in matrices) / len(matrices)
+
+
 def _map(path: Path) -> np.memmap:
     """The file, memory-mapped read-only: the header is parsed and the tensors viewed in place."""
     try:

@@ -16,7 +16,7 @@ import torch
 from ..tokenizer import Tokenizer
 from .config import ModelConfig, named_shape
 from .errors import ModelLoadError
-from .gguf_loader import load_gguf
+from .gguf_loader import int4_share, load_gguf
 from .hf_loader import load_hf_directory
 from .llama import LlamaModel
 from .quant import QuantKind, Weight
@@ -76,7 +76,10 @@ def load_model(
     `quantization` (quant_formats.QUANTIZATIONS) int8 / int4 / int4-g128 makes the linear projections
     weight-only quantized (quant.py), from the
     checkpoint's float values, or as they are for GGUF Q4_0/Q4_1 tensors with int4; on the CPU the
-    kernel for each batch size is then measured (quant_plan.py)."""
+    kernel for each batch size is then measured (quant_plan.py). `auto`: see auto_quantization."""
+    if quantization == "auto":
+        quantization, why = auto_quantization(source, device)
+        log.info("quantization auto: %s, as %s", quantization, why)
     try:
         kind, group_size = parse_quantization(quantization)
     except ValueError as exc:
@@ -161,6 +164,23 @@ def _load_errors() -> Iterator[None]:
 def _plan(model: LlamaModel, dtype: torch.dtype) -> None:
     if model.device.type == "cpu":
         plan_cpu_kernels(quantized_weights(model), dtype)
+
+
+def auto_quantization(source: str | Path | None, device: torch.device | str) -> tuple[str, str]:
+    """(quantization, why) for `auto`: int4 on the CPU for a local GGUF file (or a directory holding one)
+    whose layer weights are mostly Q4_0/Q4_1 blocks, kept as they are (the file is 4-bit already, and
+    torch's int4 kernel reads a quarter of bfloat16's bytes per decode step); none otherwise."""
+    if torch.device(device).type != "cpu":
+        return "none", "the device is not the CPU"
+    path = default_model_path() if source is None else Path(str(source).removeprefix("file://")).expanduser()
+    if path.is_dir():
+        ggufs = sorted(path.glob("*.gguf"))
+        path = ggufs[0] if len(ggufs) == 1 and not (path / "config.json").is_file() else path
+    if not (path.is_file() and path.suffix == ".gguf"):
+        return "none", "the model is not a local GGUF file"
+    if int4_share(path) < 0.5:
+        return "none", "the GGUF's layer weights are not Q4_0/Q4_1"
+    return "int4", "the GGUF's layer weights are Q4_0/Q4_1 blocks, kept as they are"
 
 
 def random_model(

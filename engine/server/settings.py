@@ -42,6 +42,10 @@ log = logging.getLogger("loraplex.engine.server")
 
 
 _ENGINE_HINTS = typing.get_type_hints(EngineConfig, include_extras=True)
+# Where `loraplex serve` (and `loraplex up`, which runs it) defaults otherwise than EngineConfig: the fastest
+# setting the CPU supports (issue 30). EngineConfig itself keeps float32-exact defaults for code and tests
+# that make engines directly; docs/configuration.md says how to get that exact mode from the CLI.
+SERVE_DEFAULTS: dict[str, object] = {"quantization": "auto", "compile_decode": True}
 if TYPE_CHECKING:
     # Type checkers see the two of the engine's options the server reads itself; the rest are read
     # through engine_config().
@@ -57,7 +61,7 @@ else:
         "_EngineOptions",
         __base__=BaseSettings,
         __module__=__name__,
-        **{o.name: (_ENGINE_HINTS[o.name], o.default) for o in ENGINE_OPTIONS},
+        **{o.name: (_ENGINE_HINTS[o.name], SERVE_DEFAULTS.get(o.name, o.default)) for o in ENGINE_OPTIONS},
     )
 
 
