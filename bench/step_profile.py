@@ -18,6 +18,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--quantization", default="none", help="the base model's weights: none, int8, int4..."
     )
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--compile-decode", action="store_true", help="with the compiled decode step")
     parser.add_argument("--model", default=None)
     parser.add_argument("--top", type=int, default=12)
     parser.set_defaults(run=run)
@@ -27,7 +28,13 @@ def run(args: argparse.Namespace) -> int:
     from loraplex.engine import EngineConfig, LLMEngine, SamplingParams
 
     engine = LLMEngine(
-        EngineConfig(model=args.model, device="cpu", dtype=args.dtype, quantization=args.quantization)
+        EngineConfig(
+            model=args.model,
+            device="cpu",
+            dtype=args.dtype,
+            quantization=args.quantization,
+            compile_decode=args.compile_decode,
+        )
     )
     vocab = engine.loaded.config.vocab_size
     params = SamplingParams(max_tokens=128, temperature=0.0, ignore_eos=True)
