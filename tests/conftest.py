@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -12,6 +13,14 @@ import torch
 # this must happen before any test imports one: without a GPU the kernels run in the CPU interpreter.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+# Inductor's disk cache for every engine the suite starts (`serve` and `up` compile their decode step at
+# start-up; tests/cluster's engine image points here too): one cold compile per checkout, not one per
+# process, as a machine's ~/.cache/loraplex/inductor does for its users. Under the checkout's build/, which
+# the cluster's pods see (their /tmp is an emptyDir).
+INDUCTOR_CACHE = Path(__file__).resolve().parent.parent / "build" / "test-cache" / "inductor"
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(INDUCTOR_CACHE))
 
 
 def pytest_configure(config: pytest.Config) -> None:

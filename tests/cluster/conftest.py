@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,6 +25,10 @@ def images() -> dict[str, Image]:
         ("TRITON_CACHE_DIR", "/tmp/triton"),
         ("LORAPLEX_MODEL_CACHE", "/var/cache/loraplex"),
         ("PYTHONDONTWRITEBYTECODE", "1"),
+        # Not in the image (a CUDA one, whose engines never compile the CPU decode step): these pods run on
+        # the CPU, where `serve` compiles it at start-up. One Inductor cache for all of them
+        # (tests/conftest.py); in the pod's own HOME=/tmp, an emptyDir, each pod would compile cold.
+        ("TORCHINDUCTOR_CACHE_DIR", os.environ["TORCHINDUCTOR_CACHE_DIR"]),
     )
     return {
         "ghcr.io/loraplex/engine": Image(
