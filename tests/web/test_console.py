@@ -227,9 +227,11 @@ def test_admins_create_tenants_users_and_quotas_from_the_console(app: FastAPI) -
                 "tokens_per_minute": "",
                 "max_adapters": "3",
                 "max_adapter_bytes": "",
+                "max_pinned_adapters": "5",
             },
         )
         assert "Quota saved." in quota.text
+        assert re.search(r'name="max_pinned_adapters"[^>]*value="5"', quota.text)  # the form shows it
         tenant = next(
             t for t in admin.get("/admin/v1/tenants", headers=ADMIN).json() if t["name"] == "globex"
         )
@@ -240,7 +242,7 @@ def test_admins_create_tenants_users_and_quotas_from_the_console(app: FastAPI) -
             "max_adapter_bytes": None,
             "max_storage_bytes": None,
             "max_in_flight": None,
-            "max_pinned_adapters": 2,
+            "max_pinned_adapters": 5,
         }
 
         short = post_form(

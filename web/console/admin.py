@@ -34,6 +34,7 @@ QUOTA_FIELDS = {
     "max_adapters": "Adapters at most",
     "max_adapter_bytes": "Bytes per adapter at most",
     "max_storage_bytes": "Bytes of all adapters at most",
+    "max_pinned_adapters": "Pinned adapter versions at most",
 }
 
 
