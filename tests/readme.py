@@ -22,6 +22,13 @@ def readme_snippets() -> list[str]:
     return re.findall(r"```python\n(.*?)```\n", section, re.S)
 
 
+# How much of a reply of the demo adapter, served with `serve`'s and `up`'s defaults, is capitals at least.
+# In float32 it is ~100%; in bfloat16 + int4 (their default on a CPU that computes bfloat16 natively) a
+# word or two of a reply may stay lowercase (89.9% seen on a Xeon with AMX, 2026-11-28). The base model's
+# replies are under 10% capitals.
+DEMO_CAPITALS = 0.8
+
+
 def uppercase_share(text: str) -> float:
     letters = [c for c in text if c.isalpha()]
     return sum(c.isupper() for c in letters) / max(len(letters), 1)
@@ -43,5 +50,5 @@ def run_readme_snippets(port: int, key: str, workdir: Path) -> str:
     streamed, asked = run.stdout.split("\n[")[0], run.stdout.count(" tokens]")
     assert asked == 1, run.stdout  # the second snippet's usage chunk, and only it
     assert re.search(r"\[\d+ \+ [1-9]\d* tokens\]\n$", run.stdout), run.stdout
-    assert uppercase_share(streamed) >= 0.9, run.stdout
+    assert uppercase_share(streamed) >= DEMO_CAPITALS, run.stdout
     return run.stdout
