@@ -28,6 +28,15 @@ small reductions that Inductor fuses with the gather.
 
 Inductor caches compiled graphs on disk (its FX graph cache, TORCHINDUCTOR_CACHE_DIR; `cache_dir`
 below), so a second start loads them instead of compiling.
+
+Calling: a step calls the layer once per layer (30 for SmolLM2-135M), and torch.compile's entry (its
+Python wrapper, the frame hook, the guards, the bytecode that unpacks the arguments) costs ~50 us a call
+at one stream, ~1.5 ms a step. So warm-up records each graph Inductor compiles (`_Entries`, the backend)
+with the arguments of the call that compiled it, and from them a direct entry: the compiled graph and
+the paths of its inputs in decode_layer's arguments. Warm steps call that entry; its key (batch of one or
+more, the weight kernels, LoRA or none) is what tells warm-up's graphs apart, the other dimensions being
+dynamic. Warm-up checks each direct entry against torch.compile's on a second layer (the same outputs,
+bit for bit) and keeps torch.compile's entry for a key whose check fails or whose graph it did not see.
 """
 
 from __future__ import annotations
@@ -39,7 +48,7 @@ import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -49,6 +58,9 @@ from .kernels import reference
 from .lora.layout import GROUPS
 from .model.llama import DecoderLayer, LlamaModel
 from .model.quant import QuantizedWeight, cpu_int4_packing, dequantize
+
+if TYPE_CHECKING:
+    from torch.fx import GraphModule
 
 log = logging.getLogger(__name__)
 
@@ -279,7 +291,12 @@ class CompiledDecode:
         self.shape = (c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps, c.head_dim**-0.5)
         self.layers = [torch.tensor(i, dtype=torch.int64) for i in range(c.num_layers)]
         self._weights: dict[int, list[LayerWeights]] = {}  # batch size -> each layer's
-        self._layer = torch.compile(_own_copy(decode_layer), fullgraph=True, dynamic=None)
+        self._entries = _Entries()
+        self._layer = torch.compile(
+            _own_copy(decode_layer), backend=self._entries, fullgraph=True, dynamic=None
+        )
+        # (batch of one, weight kernels, LoRA or none) -> the graph's direct entry (module docstring)
+        self._direct: dict[tuple[object, ...], Callable[[Sequence[Any]], Any]] = {}
         self.steps = 0  # decode steps the compiled layers ran
         self.warm = False  # after warm-up: a step that needs a new graph raises NotCompiled
         self.fallbacks = 0
@@ -330,15 +347,54 @@ class CompiledDecode:
         delta = torch.zeros_like(hidden)
         lora_args = lora if lora is not None else (None,) * len(GROUPS)
         _mark_dynamic(hidden, delta, cos, sin, block_tables, context_lens, lora=lora)
+        weights = self.weights(batch)
+        key = (batch == 1, tuple(w.kinds for w in weights), lora is None)
+        args: list[Any] = [
+            None, None, lora_args, hidden, delta, cos, sin, self.memory, None, block_tables, context_lens,
+            self.shape,
+        ]  # fmt: skip
+        direct = self._direct.get(key) if self.warm else None
+        if direct is not None:
+            keys, values = self._run_direct(direct, args, weights)
+        else:
+            keys, values = self._run_compiled(key, args, weights)
+        hidden, delta = args[3], args[4]
+        self.steps += 1
+        self._write_kv(torch.stack(keys, 1), torch.stack(values, 1), slots)
+        hidden = hidden + delta
+        return model.compute_logits(hidden[logits_indices])
+
+    def _run_direct(
+        self, direct: Callable[[Sequence[Any]], Any], args: list[Any], weights: list[LayerWeights]
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        keys, values = [], []
+        for layer_weights_, layer in zip(weights, self.layers, strict=True):
+            args[1], args[8] = layer_weights_.tensors, layer
+            args[3], args[4], k, v = direct(args)
+            keys.append(k)
+            values.append(v)
+        return keys, values
+
+    def _run_compiled(
+        self, key: tuple[object, ...], args: list[Any], weights: list[LayerWeights]
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The layers through torch.compile's entry; at warm-up, the direct entry of a graph compiled by
+        the first layer's call, checked on the second layer's."""
         keys, values = [], []
         stance = "fail_on_recompile" if self.warm else "default"
+        seen = len(self._entries.graphs)
+        direct = None
         try:
             with torch.compiler.set_stance(stance):
-                for weights, layer in zip(self.weights(batch), self.layers, strict=True):
-                    hidden, delta, k, v = self._layer(
-                        weights.kinds, weights.tensors, lora_args, hidden, delta, cos, sin, self.memory,
-                        layer, block_tables, context_lens, self.shape,
-                    )  # fmt: skip
+                for i, (layer_weights_, layer) in enumerate(zip(weights, self.layers, strict=True)):
+                    args[0], args[1], args[8] = layer_weights_.kinds, layer_weights_.tensors, layer
+                    if direct is not None:
+                        self._check_direct(key, direct, args)
+                        direct = None
+                    outputs = self._layer(*args)
+                    if i == 0 and not self.warm and len(self._entries.graphs) == seen + 1:
+                        direct = _direct_entry(*self._entries.graphs[-1], args)
+                    args[3], args[4], k, v = outputs
                     keys.append(k)
                     values.append(v)
         except RuntimeError as error:
@@ -346,10 +402,20 @@ class CompiledDecode:
                 self.fallbacks += 1
                 raise NotCompiled(str(error)) from None
             raise
-        self.steps += 1
-        self._write_kv(torch.stack(keys, 1), torch.stack(values, 1), slots)
-        hidden = hidden + delta
-        return model.compute_logits(hidden[logits_indices])
+        return keys, values
+
+    def _check_direct(
+        self, key: tuple[object, ...], direct: Callable[[Sequence[Any]], Any] | None, args: list[Any]
+    ) -> None:
+        """Keep `direct` for `key` if it gives torch.compile's outputs for `args`, bit for bit."""
+        if direct is None:
+            return
+        want = self._layer(*args)
+        got = direct(args)
+        if len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want, strict=True)):
+            self._direct[key] = direct
+        else:
+            log.warning("compiled decode: a direct graph entry disagrees with torch.compile's; not used")
 
     def _write_kv(self, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor) -> None:
         """Every layer's new keys and values [B, L, kv_heads, D] into the rows' slots, one scatter.
@@ -428,3 +494,70 @@ def _mark_dynamic(*tensors: torch.Tensor, lora: tuple[tuple[torch.Tensor, ...] |
             a, b, rows = group
             for tensor, dim in ((a, 1), (a, 3), (b, 1), (b, 2), (rows, 0)):
                 mark(tensor, dim)
+
+
+class _Entries:
+    """torch.compile's backend for the layer: Inductor, recording each graph it compiles with the example
+    inputs dynamo passed (the call's own tensors and its dynamic sizes)."""
+
+    def __init__(self) -> None:
+        self.graphs: list[tuple[GraphModule, list[Any], Callable[..., Any]]] = []
+
+    def __call__(self, gm: GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        from torch._inductor.compile_fx import compile_fx
+
+        compiled: Callable[..., Any] = compile_fx(gm, example_inputs)  # type: ignore[assignment]
+        self.graphs.append((gm, list(example_inputs), compiled))
+        return compiled
+
+
+def _tensor_paths(value: Any, path: tuple[int, ...] = ()) -> list[tuple[tuple[int, ...], torch.Tensor]]:
+    if isinstance(value, torch.Tensor):
+        return [(path, value)]
+    if isinstance(value, (tuple, list)):
+        return [leaf for i, item in enumerate(value) for leaf in _tensor_paths(item, (*path, i))]
+    return []
+
+
+def _direct_entry(
+    gm: GraphModule, example_inputs: list[Any], compiled: Callable[..., Any], args: Sequence[Any]
+) -> Callable[[Sequence[Any]], Any] | None:
+    """A function of decode_layer's argument list that calls the graph compiled from `gm` as dynamo's
+    bytecode would: its inputs in order, each tensor found by identity among the arguments (the call
+    that compiled it) and each dynamic size as the size of a tensor input it belongs to. None where an
+    input is not found (or found twice), or the graph's outputs are not the layer's four."""
+    leaves = _tensor_paths(list(args))
+    where = {}
+    for path, tensor in leaves:
+        if id(tensor) in where:
+            return None  # one tensor twice: dynamo passes it once, a step might not
+        where[id(tensor)] = path
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    outputs = next(iter(gm.graph.find_nodes(op="output"))).args[0]
+    if len(placeholders) != len(example_inputs) or len(outputs) != 4:
+        return None
+
+    def index(path: tuple[int, ...]) -> str:
+        return "a" + "".join(f"[{i}]" for i in path)
+
+    sizes: dict[str, str] = {}  # a dynamic size's symbol -> "a[..].size(d)"
+    for node, example in zip(placeholders, example_inputs, strict=True):
+        fake = node.meta.get("example_value")
+        if isinstance(example, torch.Tensor) and id(example) in where and isinstance(fake, torch.Tensor):
+            for dim, size in enumerate(fake.shape):
+                if isinstance(size, torch.SymInt):
+                    sizes.setdefault(str(size.node.expr), f"{index(where[id(example)])}.size({dim})")
+    parts = []
+    for node, example in zip(placeholders, example_inputs, strict=True):
+        if isinstance(example, torch.Tensor):
+            if id(example) not in where:
+                return None
+            parts.append(index(where[id(example)]))
+        elif (
+            isinstance(fake := node.meta.get("example_value"), torch.SymInt) and str(fake.node.expr) in sizes
+        ):
+            parts.append(sizes[str(fake.node.expr)])
+        else:
+            return None
+    inputs = eval(f"lambda a: ({', '.join(parts)},)")  # text made above from indices
+    return lambda a: compiled(*inputs(a))

@@ -164,3 +164,30 @@ def test_a_compiled_decode_step_dispatches_a_fraction_of_the_eager_ops(eager, co
         # Eager: some 60 per layer and the step's own (2 layers here, 30 in SmolLM2). Compiled: a few per
         # layer (its weight matmuls are inside the graph's calls) and the step's own.
         assert compiled_ops * 2 < eager_ops, (compiled_ops, eager_ops)
+
+
+def test_warm_steps_call_the_compiled_graphs_directly(eager, compiled) -> None:
+    """After warm-up every graph has a direct entry (batch of one and more, with LoRA and without), and
+    warm steps give the eager tokens without torch.compile's entry (here: one that raises)."""
+    step = compiled.runner.compiled
+    assert isinstance(step, CompiledDecode)
+    assert {(one, none) for one, _, none in step._direct} == {
+        (True, True),
+        (True, False),
+        (False, True),
+        (False, False),
+    }
+    requests, params, adapters = workload()
+    want = [o.token_ids for o in eager.generate(requests, params, adapters)]
+
+    def no_entry(*args, **kwargs):
+        raise AssertionError("torch.compile's entry called on a warm step")
+
+    kept, step._layer = step._layer, no_entry
+    try:
+        before = step.steps
+        got = [o.token_ids for o in compiled.generate(requests, params, adapters)]
+    finally:
+        step._layer = kept
+    assert got == want
+    assert step.steps - before >= 39 and step.fallbacks == 0
