@@ -496,6 +496,11 @@ def _mark_dynamic(*tensors: torch.Tensor, lora: tuple[tuple[torch.Tensor, ...] |
                 mark(tensor, dim)
 
 
+# Inductor's options for the layer: no size and stride asserts on the inputs in the graph's wrapper (26
+# a call; the direct entry passes the tensors of the call that compiled it, their layout checked there).
+_INDUCTOR: dict[str, object] = {"size_asserts": False}
+
+
 class _Entries:
     """torch.compile's backend for the layer: Inductor, recording each graph it compiles with the example
     inputs dynamo passed (the call's own tensors and its dynamic sizes)."""
@@ -506,7 +511,7 @@ class _Entries:
     def __call__(self, gm: GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         from torch._inductor.compile_fx import compile_fx
 
-        compiled: Callable[..., Any] = compile_fx(gm, example_inputs)  # type: ignore[assignment]
+        compiled: Callable[..., Any] = compile_fx(gm, example_inputs, config_patches=_INDUCTOR)  # type: ignore[assignment]
         self.graphs.append((gm, list(example_inputs), compiled))
         return compiled
 
