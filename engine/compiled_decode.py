@@ -546,12 +546,17 @@ def _direct_entry(
         return "a" + "".join(f"[{i}]" for i in path)
 
     sizes: dict[str, str] = {}  # a dynamic size's symbol -> "a[..].size(d)"
+    dynamic: set[tuple[tuple[int, ...], int]] = set()  # (argument path, dim) of the graph's dynamic sizes
     for node, example in zip(placeholders, example_inputs, strict=True):
         fake = node.meta.get("example_value")
         if isinstance(example, torch.Tensor) and id(example) in where and isinstance(fake, torch.Tensor):
             for dim, size in enumerate(fake.shape):
                 if isinstance(size, torch.SymInt):
                     sizes.setdefault(str(size.node.expr), f"{index(where[id(example)])}.size({dim})")
+                    dynamic.add((where[id(example)], dim))
+    # The entry serves other batch sizes (past one) and context widths only where those stayed dynamic.
+    if (((3,), 0) not in dynamic and args[3].shape[0] > 1) or ((9,), 1) not in dynamic:
+        return None
     parts = []
     for node, example in zip(placeholders, example_inputs, strict=True):
         if isinstance(example, torch.Tensor):

@@ -191,3 +191,40 @@ def test_warm_steps_call_the_compiled_graphs_directly(eager, compiled) -> None:
         step._layer = kept
     assert got == want
     assert step.steps - before >= 39 and step.fallbacks == 0
+
+
+def _toy_layer(kinds, weights, lora, hidden, delta, cos, sin, memory, layer, tables, lens, shape):
+    """decode_layer's signature, a graph small enough to compile in a second."""
+    return hidden * weights[0] + delta, delta * 2, tables.sum(1), lens + layer
+
+
+def test_a_direct_entry_takes_its_inputs_from_the_arguments_and_needs_dynamic_sizes() -> None:
+    from loraplex.engine.compiled_decode import _direct_entry, _Entries, _own_copy
+
+    def call_args(batch: int, width: int) -> list:
+        return [
+            None, (torch.tensor(3.0),), None, torch.randn(batch, 4), torch.randn(batch, 4), None, None, None,
+            torch.tensor(1), torch.arange(batch * width).view(batch, width),
+            torch.ones(batch, dtype=torch.int64), None,
+        ]  # fmt: skip
+
+    for dynamic in (True, False):
+        entries = _Entries()  # a code object of its own: a graph of its own
+        layer = torch.compile(_own_copy(_toy_layer), backend=entries, fullgraph=True)
+        args = call_args(2, 3)
+        if dynamic:
+            torch._dynamo.maybe_mark_dynamic(args[3], 0)
+            torch._dynamo.maybe_mark_dynamic(args[4], 0)
+            torch._dynamo.maybe_mark_dynamic(args[9], 0)
+            torch._dynamo.maybe_mark_dynamic(args[9], 1)
+            torch._dynamo.maybe_mark_dynamic(args[10], 0)
+        with torch.inference_mode():
+            layer(*args)
+            direct = _direct_entry(*entries.graphs[-1], args)
+            if not dynamic:  # a graph of batch 2 and width 3 only: no entry that other steps would reach
+                assert direct is None
+                continue
+            assert direct is not None
+            other = call_args(5, 4)  # other tensors, other sizes: read from the arguments given
+            got, want = direct(other), _toy_layer(*other)
+            assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
