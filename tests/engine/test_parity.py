@@ -78,6 +78,22 @@ def test_greedy_tokens_match_with_speculative_decoding(smollm2, prompts, referen
     assert engine.pool.pages_by_kind()["kv"] == 0
 
 
+def test_greedy_tokens_match_with_the_compiled_decode_step(smollm2, prompts, reference) -> None:
+    """The compiled CPU decode step (issue 30, on by default for `serve` and `up`) changes no greedy token:
+    all 20 prompts at once (the batch graph, shrinking buckets as requests end) and one alone (the graph
+    of a batch of one)."""
+    engine = engine_for(smollm2, compile_decode=True, max_num_seqs=20)
+    step = engine.runner.compiled
+    assert step is not None
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
+    outputs = engine.generate(prompts, params)
+    for i, (output, ref) in enumerate(zip(outputs, reference, strict=True)):
+        assert output.token_ids == ref["tokens"], i
+    (alone,) = engine.generate([prompts[ALONE[0]]], params)
+    assert alone.token_ids == reference[ALONE[0]]["tokens"]
+    assert step.steps >= NEW_TOKENS and step.fallbacks == 0  # the decode steps really were the compiled ones
+
+
 def test_greedy_tokens_match_concurrently_under_preemption(smollm2, prompts, reference) -> None:
     # The longest prompt plus its output needs 25 pages of 16; 40 pages cannot hold all 20 requests,
     # and a 96-token step budget forces chunked prefill of every longer prompt.
