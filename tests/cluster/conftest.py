@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.util
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,10 +24,10 @@ def images() -> dict[str, Image]:
         ("TRITON_CACHE_DIR", "/tmp/triton"),
         ("LORAPLEX_MODEL_CACHE", "/var/cache/loraplex"),
         ("PYTHONDONTWRITEBYTECODE", "1"),
-        # Not in the image (a CUDA one, whose engines never compile the CPU decode step): these pods run on
-        # the CPU, where `serve` compiles it at start-up. One Inductor cache for all of them
-        # (tests/conftest.py); in the pod's own HOME=/tmp, an emptyDir, each pod would compile cold.
-        ("TORCHINDUCTOR_CACHE_DIR", os.environ["TORCHINDUCTOR_CACHE_DIR"]),
+        # Not in the image, a CUDA one, whose engines never compile the CPU decode step (issue 30): these
+        # stand-ins run on the CPU, where `serve` would compile it at start-up, each pod cold in its own
+        # emptyDir HOME (about 50 CPU-s a pod, 2026-11-28). Off, they do what the image's engines do.
+        ("LORAPLEX_COMPILE_DECODE", "false"),
     )
     return {
         "ghcr.io/loraplex/engine": Image(
