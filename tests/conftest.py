@@ -16,9 +16,9 @@ if not torch.cuda.is_available():
 
 
 # Inductor's disk cache for every engine the suite starts (`serve` and `up` compile their decode step at
-# start-up; tests/cluster's engine image points here too): one cold compile per checkout, not one per
-# process, as a machine's ~/.cache/loraplex/inductor does for its users. Under the checkout's build/, which
-# the cluster's pods see (their /tmp is an emptyDir).
+# start-up on the CPU): one cold compile per checkout, not one per process, as a machine's
+# ~/.cache/loraplex/inductor does for its users. The cluster's stand-in engine pods do not compile
+# (tests/cluster/conftest.py).
 INDUCTOR_CACHE = Path(__file__).resolve().parent.parent / "build" / "test-cache" / "inductor"
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(INDUCTOR_CACHE))
 
