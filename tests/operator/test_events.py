@@ -36,6 +36,17 @@ def emulated() -> Iterator[Emulated]:
 
 
 def reconcile_live(emulated: Emulated, name: str = NAME) -> dict[str, Any]:
+    """One reconcile of the live CR, retried as kopf retries a TemporaryError: a child written between the
+    operator's read and its patch (the emulator's Deployment controller updating status) is a 409 the
+    operator reports as temporary (seen in CI under load, 2026-11-28)."""
+    for _ in range(4):
+        live = emulated.cluster.get("InferenceDeployment", name)
+        assert live is not None
+        try:
+            return asyncio.run(reconcile(emulated.kube, live, CONFIG))
+        except kopf.TemporaryError as error:
+            if "409" not in str(error):
+                raise
     live = emulated.cluster.get("InferenceDeployment", name)
     assert live is not None
     return asyncio.run(reconcile(emulated.kube, live, CONFIG))
