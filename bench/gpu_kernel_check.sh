@@ -11,11 +11,15 @@
 #   on the GPU machine:    bash bench/gpu_kernel_check.sh
 #                          (with build/gpu_check/old and build/gpu_check/wheels carried along; git-ignored)
 #
+# It also checks what only a GPU can: decode steps replayed from CUDA graphs give eager's tokens
+# (bench/cuda_graph_check.py), and `bench step` times a Llama-2-7B-shaped decode step with graphs off and on.
+#
 # Needs only a python with torch and triton (pytest too for the tests; without it they are skipped with
 # a note, and bench kernels still checks every kernel against the torch reference before timing it).
 # The package is not installed there: a shim directory maps `loraplex.<part>` onto each tree's folders
-# (pyproject's package-dir) through PYTHONPATH. Budget: at most 11 minutes (kernel tests 180 s, engine tests 240 s, each bench 120 s); the
-# H100 run of 2026-11-27 took 2 minutes (docs/benchmarks.md, Triton kernels).
+# (pyproject's package-dir) through PYTHONPATH. Budget, by the timeouts: graphs 120 s, each
+# bench step 110 s, kernel tests 120 s, engine tests 150 s, each bench kernels 120 s; the H100 run of
+# 2026-11-27 (tests and bench kernels) took 2 minutes (docs/benchmarks.md, Triton kernels).
 # `bench lora` is not run: it drives the engine on the CPU only (bench/lora.py: device "cpu"), so it
 # never reaches these kernels.
 set -uo pipefail
@@ -80,18 +84,46 @@ else
 fi
 export TRITON_DEFAULT_FP_FUSION=1
 status=0
+# CHECKS: which parts run, in this order (default all): graphs (decode steps replayed from CUDA graphs
+# against eager, bench/cuda_graph_check.py), step (`bench step` on Llama-2-7B-shaped weights, graph decode
+# off and on), tests (kernel and engine tests), kernels (`bench kernels`, this tree and the old one).
+CHECKS="${CHECKS:-graphs step tests kernels}"
+wants() { [[ " $CHECKS " == *" $1 "* ]]; }
 
-echo "== kernel tests on $DEVICE (this tree)"
-if [[ "$DEVICE" == cpu ]]; then
+if wants graphs; then
+    echo "== decode steps from CUDA graphs against eager steps on $DEVICE (this tree)"
+    graph_args=(--dtype float16)
+    [[ "$DEVICE" == cpu ]] && graph_args=(--device cpu --dtype float32 --requests 6 --batches 2)
+    (cd "$WORK" && PYTHONPATH="$WORK/new" timeout 120 "$PYTHON" "$REPO/bench/cuda_graph_check.py" \
+        "${graph_args[@]}" 2>&1 | grep -v Warning | tail -20)
+    [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+fi
+
+if wants step && [[ "$DEVICE" == cuda ]]; then
+    for graph in off on; do
+        echo "== bench step --device cuda --graph-decode $graph (Llama-2-7B shape, float16, this tree)"
+        (cd "$WORK" && PYTHONPATH="$WORK/new" timeout 110 "$PYTHON" -m loraplex.bench step --device cuda \
+            --graph-decode "$graph" --batches 1,32,256 --adapters 256 --steps 10 2>&1 | tail -12)
+        [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+    done
+fi
+
+wants tests && echo "== kernel tests on $DEVICE (this tree)"
+if ! wants tests; then
+    :
+elif [[ "$DEVICE" == cpu ]]; then
     echo "SKIPPED on the CPU (the suite runs them there)"
 elif "$PYTHON" -c 'import pytest' 2>/dev/null; then
     # addopts cleared: pyproject's --dist needs pytest-xdist, which a bare python lacks.
-    (cd "$REPO" && PYTHONPATH="$WORK/new" timeout 180 "$PYTHON" -m pytest -q -o addopts="" -p no:cacheprovider \
-        tests/engine/kernels/test_lora_kernels.py tests/engine/kernels/test_attention_kernels.py 2>&1 | tail -15)
+    (cd "$REPO" && PYTHONPATH="$WORK/new" timeout 120 "$PYTHON" -m pytest -q -o addopts="" -p no:cacheprovider \
+        tests/engine/kernels/test_lora_kernels.py tests/engine/kernels/test_attention_kernels.py \
+        tests/engine/kernels/test_dora_kernels.py tests/engine/kernels/test_fused_kernels.py \
+        tests/engine/kernels/test_quant_kernels.py 2>&1 | tail -15)
     [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
     echo "== the engine with its kernels on $DEVICE (this tree)"
-    (cd "$REPO" && PYTHONPATH="$WORK/new" timeout 240 "$PYTHON" -m pytest -q -o addopts="" -p no:cacheprovider \
+    (cd "$REPO" && PYTHONPATH="$WORK/new" timeout 150 "$PYTHON" -m pytest -q -o addopts="" -p no:cacheprovider \
         tests/engine/test_engine_kernels.py tests/engine/test_fused_model_path.py tests/engine/test_batch.py \
+        tests/engine/test_dora_engine_kernels.py \
         2>&1 | tail -15)
     [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
 else
@@ -109,8 +141,10 @@ bench_kernels() {
         return 1
     fi
 }
-bench_kernels new "$WORK/new" || status=1
-[[ -d "$WORK/old" ]] && { bench_kernels old "$WORK/old" || status=1; }
+if wants kernels; then
+    bench_kernels new "$WORK/new" || status=1
+    [[ -d "$WORK/old" ]] && { bench_kernels old "$WORK/old" || status=1; }
+fi
 
 "$PYTHON" - "$WORK" <<'EOF'
 import json, sys
