@@ -61,7 +61,7 @@ def workload(count: int) -> tuple[list[list[int]], list, list[str | None]]:
 
 def sync() -> None:
     if torch.cuda.is_available():
-        sync()
+        torch.cuda.synchronize()
 
 
 def step_seconds(engine, batch: int, steps: int = 20) -> float:

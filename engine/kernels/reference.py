@@ -306,7 +306,8 @@ def _dora_scale(
     if len(meta.slot_rank) == 0:
         return
     d_row = torch.where(has & (meta.slot_rank.long()[slot] > 0), d_starts[meta.slot_start.long()[slot]], 0)
-    h = gather_rows(pool_rows, (d_row[:, None] + torch.arange(y.shape[1] // pool_rows.shape[1])).clamp(min=0))
+    rows = torch.arange(y.shape[1] // pool_rows.shape[1], device=d_row.device)
+    h = gather_rows(pool_rows, (d_row[:, None] + rows).clamp(min=0))
     scaled = (y.float() * (1 + h.float())).to(y.dtype)
     y.copy_(torch.where((d_row != 0)[:, None], scaled, y))
 

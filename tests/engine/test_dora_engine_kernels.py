@@ -49,7 +49,8 @@ class SyntheticDora:
             column = sum(
                 self.lora.base.features(o)[1] for o in GROUPS[group][: GROUPS[group].index(m.module)]
             )
-            w0 = base(m.layer, group)[column : column + m.out_features]
+            # On the host, where the adapter's A and B are (the engine moves them to the base's device).
+            w0 = base(m.layer, group)[column : column + m.out_features].float().cpu()
             a, b = (t.float() for t in weights[(m.layer, m.module)])
             norm = torch.linalg.vector_norm(w0 + m.scale * (b @ a), dim=1)
             magnitudes[(m.layer, m.module)] = norm * (

@@ -128,3 +128,13 @@ def _cpu(meta: LoRAKernelMeta) -> LoRAKernelMeta:
         meta.slot_rank.cpu(),
         d_starts=meta.d_starts.cpu(),
     )
+
+
+def test_the_reference_makes_no_tensor_on_another_device() -> None:
+    """On the meta device, any tensor the reference makes off its inputs' device fails the op: what broke
+    both references on CUDA (a CPU arange beside the step's rows; H200, 2026-11-28). The tokens form runs
+    the body both share; the segments form reads its longest segment on the host, which meta cannot."""
+    meta_device = torch.device("meta")
+    slots = torch.tensor([0, -1, 1, 3], dtype=torch.int32, device=meta_device)
+    pool, meta = make_meta(torch.float32, meta_device, token_slot=slots)
+    reference.lora_dora_scale_tokens(torch.empty(4, OUT, device=meta_device), pool, meta, 0)
