@@ -16,10 +16,12 @@ if not torch.cuda.is_available():
 
 
 # Inductor's disk cache for every engine the suite starts (`serve` and `up` compile their decode step at
-# start-up on the CPU): one cold compile per checkout, not one per process, as a machine's
-# ~/.cache/loraplex/inductor does for its users. The cluster's stand-in engine pods do not compile
-# (tests/cluster/conftest.py).
-INDUCTOR_CACHE = Path(__file__).resolve().parent.parent / "build" / "test-cache" / "inductor"
+# start-up on the CPU), set here so that engines started with another HOME (test_up's) share it: the
+# user's cache that `serve` itself defaults to (engine/compiled_decode.py), as the AOT gate keeps its
+# reports in ~/.cache/loraplex/aot. So a machine compiles each graph once, not once per checkout or
+# process; entries are keyed by the graph and torch's version, so a stale one is never used. The
+# cluster's stand-in engine pods do not compile (tests/cluster/conftest.py).
+INDUCTOR_CACHE = Path.home() / ".cache" / "loraplex" / "inductor"
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(INDUCTOR_CACHE))
 
 

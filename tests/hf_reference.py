@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import functools
+import hashlib
 import json
 import os
 import shutil
@@ -21,15 +22,20 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-CACHE = REPO / "build" / "test-cache"
+# In the user's cache beside the AOT gate's and Inductor's (tests/conftest.py): made once per machine, not
+# once per checkout. Keyed by the GGUF's bytes (a new virtualenv writes the same file with a new mtime)
+# and transformers' version, so a changed model or converter never reads a stale directory.
+CACHE = Path.home() / ".cache" / "loraplex" / "test-reference"
 
 
 def _key(gguf: Path) -> str:
     import transformers
 
-    stat = gguf.stat()
-    return f"{gguf.stem}-{stat.st_size}-{int(stat.st_mtime)}-transformers-{transformers.__version__}"
+    digest = hashlib.sha256()
+    with gguf.open("rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    return f"{gguf.stem}-{digest.hexdigest()[:16]}-transformers-{transformers.__version__}"
 
 
 @contextlib.contextmanager

@@ -28,6 +28,11 @@ def images() -> dict[str, Image]:
         # stand-ins run on the CPU, where `serve` would compile it at start-up, each pod cold in its own
         # emptyDir HOME (about 50 CPU-s a pod, 2026-11-28). Off, they do what the image's engines do.
         ("LORAPLEX_COMPILE_DECODE", "false"),
+        # One torch thread a pod: the box runs up to four engine pods on 2 cores, where a real node gives
+        # each its CPU limit. With torch's default (a thread per core) every op waited on a thread another
+        # pod had the core for: the walkthrough took 594 CPU-s alone, 355 with this and a quiet round
+        # asked 4 at a time (tests/cluster/flood.py), 2026-11-28.
+        ("OMP_NUM_THREADS", "1"),
     )
     return {
         "ghcr.io/loraplex/engine": Image(

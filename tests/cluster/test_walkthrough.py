@@ -22,6 +22,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -434,8 +435,17 @@ def test_a_flooded_adapter_spreads_a_new_pod_joins_it_warm_and_a_scale_in_fails_
 ) -> None:
     from loraplex import wire
 
+    phases: dict[str, float] = {}  # seconds each phase took, printed with the story
+    began = time.monotonic()
+
+    def phase(name: str) -> None:
+        nonlocal began
+        phases[name] = round(time.monotonic() - began, 1)
+        began = time.monotonic()
+
     web_env(platform)
     wait_until_routed(platform, 3)
+    phase("rollout")
     urls = platform.web_urls()
     tenant = httpx.post(
         f"{urls[0]}/admin/v1/tenants", json={"name": "flood"}, headers=platform.admin()
@@ -460,6 +470,7 @@ def test_a_flooded_adapter_spreads_a_new_pod_joins_it_warm_and_a_scale_in_fails_
         adapters.append(made.json())
     hot, quiet = adapters[0], adapters[1:]
     hot_name = wire.adapter_name(hot["id"])
+    phase("uploads")
     out = tmp_path / "traffic.jsonl"
     argv = [sys.executable, "-m", "tests.cluster.flood", str(out), *urls, "--key", key, "--hot", hot["name"],
             "--quiet", ",".join(a["name"] for a in quiet), "--workers", str(FLOOD_WORKERS)]  # fmt: skip
@@ -488,6 +499,7 @@ def test_a_flooded_adapter_spreads_a_new_pod_joins_it_warm_and_a_scale_in_fails_
             assert len(where) <= 1, f"{adapter['name']} served by {where}"
         asked = {a["model"] for a in traffic.answers() if a["status"] == 200} - {hot["name"]}
         assert len(asked) == QUIET
+        phase("spread")
 
         # 2. Scale to 4 during the flood: the new pod joins the hot adapter's set warm (its one load came
         #    before its first request there: no request waited for it).
@@ -499,6 +511,7 @@ def test_a_flooded_adapter_spreads_a_new_pod_joins_it_warm_and_a_scale_in_fails_
             lambda: len(platform.ready_engines()) == 4, timeout=300, interval=1.0, what="4 ready engines"
         )
         (new_pod,) = {p["metadata"]["name"] for p in platform.ready_engines()} - before
+        phase("fourth pod ready")
         wait_until_routed(platform, 4)
         wait_for(
             lambda: new_pod in hot_pods(counts()),
@@ -509,6 +522,7 @@ def test_a_flooded_adapter_spreads_a_new_pod_joins_it_warm_and_a_scale_in_fails_
         on_new = counts()[new_pod][hot_name]
         assert on_new["loads"] == 1 and on_new["cold_admissions"] == 0, on_new
         assert not traffic.failures(), traffic.failures()[:5]
+        phase("joined")
 
         # 3. Back to 3 during the flood: the pod that goes hands its adapters over and fails nothing.
         platform.cluster.client.patch(
@@ -520,14 +534,16 @@ def test_a_flooded_adapter_spreads_a_new_pod_joins_it_warm_and_a_scale_in_fails_
         sent = len(traffic.answers())
         wait_for(lambda: len(traffic.answers()) >= sent + FLOOD_WORKERS, timeout=120, interval=1.0,
                  what="the flood going on")  # fmt: skip
+        phase("scale-in")
     finally:
         traffic.stop()
+    phase("stop")
     assert not traffic.failures(), traffic.failures()[:5]
     answers = traffic.answers()
     served = sum(1 for a in answers if a["model"] == hot["name"])
     print(
         f"story: {len(answers)} requests ({served} to the flooded adapter), none failed; "
-        f"the new pod's flooded-adapter counts: {on_new}"
+        f"the new pod's flooded-adapter counts: {on_new}; seconds by phase: {phases}"
     )
 
 

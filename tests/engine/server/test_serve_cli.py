@@ -69,6 +69,9 @@ def test_serve_runs_the_readme_snippets_then_sigterm_drains_within_a_bound(tmp_p
         "LORAPLEX_DRAIN_TIMEOUT_S": "6",
         "LORAPLEX_MODEL_FORMAT": "gguf",  # the operator's ConfigMap carries variables serve does not use
         "LORAPLEX_CONTROL_PLANE_URL": "http://control-plane",
+        # As the engine image runs it: a CUDA image never compiles the CPU decode step (issue 30), which
+        # test_up runs end to end with serve's defaults; here a cold compile would be 50-70 CPU-s.
+        "LORAPLEX_COMPILE_DECODE": "false",
     }
     command = [LORAPLEX, "serve", "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32"]
     process = subprocess.Popen(
@@ -112,6 +115,7 @@ def test_serve_runs_the_readme_snippets_then_sigterm_drains_within_a_bound(tmp_p
         assert 5 <= drained_in < 30
         output = process.communicate()[0]
         assert "draining" in output
+        assert "decode eager" in output  # LORAPLEX_COMPILE_DECODE=false reached the engine
     finally:
         if process.poll() is None:
             process.kill()
