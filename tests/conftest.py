@@ -83,12 +83,9 @@ def engine_factory(smollm2):
 @pytest.fixture(scope="session")
 def hf_smollm2():
     """The same GGUF loaded by transformers: the parity reference (tests/hf_reference.py)."""
-    import torch
-    from transformers import AutoModelForCausalLM
+    from tests.hf_reference import load_hf_smollm2
 
-    from tests.hf_reference import hf_smollm2_dir
-
-    return AutoModelForCausalLM.from_pretrained(hf_smollm2_dir(), dtype=torch.float32).eval()
+    return load_hf_smollm2()
 
 
 @pytest.fixture(scope="session")

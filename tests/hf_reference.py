@@ -18,7 +18,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -104,3 +104,32 @@ def hf_smollm2_dir() -> Path:
             shutil.rmtree(target, ignore_errors=True)
             os.replace(staging, target)
     return target
+
+
+@functools.cache
+def load_hf_smollm2() -> Any:
+    """transformers' model of the SmolLM2 GGUF, float32, once per process (the conftest's `hf_smollm2`)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(hf_smollm2_dir(), dtype=torch.float32).eval()
+
+
+def remembered(name: str, inputs: Any, compute: Callable[[], Any]) -> Any:
+    """`compute()`'s result (tensors, lists, numbers), computed once per machine for these `inputs` and this
+    reference: transformers' outputs on a fixed model are a pure function of the inputs and the versions
+    in the key, so a parity test reruns only our side of the comparison. Kept beside the converted model
+    (a new converter or model makes a new directory, so stale results are never read); written whole."""
+    import torch
+
+    reference = hf_smollm2_dir()
+    text = repr((name, inputs, torch.__version__, reference.name))
+    path = reference / "results" / f"{name}-{hashlib.sha256(text.encode()).hexdigest()[:24]}.pt"
+    if path.is_file():
+        return torch.load(path, weights_only=True)
+    result = compute()
+    path.parent.mkdir(exist_ok=True)
+    staging = path.with_suffix(f".{os.getpid()}.tmp")
+    torch.save(result, staging)
+    os.replace(staging, path)
+    return result

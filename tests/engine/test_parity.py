@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from loraplex.engine import EngineConfig, LLMEngine, SamplingParams
+from tests.hf_reference import load_hf_smollm2, remembered
 
 from .parity_prompts import parity_prompt_ids
 
@@ -25,22 +26,28 @@ def prompts(smollm2) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def reference(hf_smollm2, prompts) -> list[dict]:
-    """transformers, each prompt alone: greedy continuation and last-position logits."""
-    results = []
-    with torch.inference_mode():
-        for ids in prompts:
-            input_ids = torch.tensor([ids])
-            logits = hf_smollm2(input_ids).logits[0, -1].float()
-            out = hf_smollm2.generate(
-                input_ids,
-                attention_mask=torch.ones_like(input_ids),
-                max_new_tokens=NEW_TOKENS,
-                do_sample=False,
-                pad_token_id=2,
-            )
-            results.append({"tokens": out[0, len(ids) :].tolist(), "logits": logits})
-    return results
+def reference(prompts) -> list[dict]:
+    """transformers, each prompt alone: greedy continuation and last-position logits (computed once per
+    machine: tests/hf_reference.py `remembered`)."""
+
+    def compute() -> list[dict]:
+        hf_smollm2 = load_hf_smollm2()
+        results = []
+        with torch.inference_mode():
+            for ids in prompts:
+                input_ids = torch.tensor([ids])
+                logits = hf_smollm2(input_ids).logits[0, -1].float()
+                out = hf_smollm2.generate(
+                    input_ids,
+                    attention_mask=torch.ones_like(input_ids),
+                    max_new_tokens=NEW_TOKENS,
+                    do_sample=False,
+                    pad_token_id=2,
+                )
+                results.append({"tokens": out[0, len(ids) :].tolist(), "logits": logits})
+        return results
+
+    return remembered("parity-greedy", (prompts, NEW_TOKENS), compute)
 
 
 def engine_for(smollm2, **overrides) -> LLMEngine:
