@@ -316,8 +316,10 @@ def test_an_adapter_stays_on_one_pod_and_moves_when_that_pod_is_deleted(platform
     before = {p["metadata"]["name"]: platform.generated_tokens(p) for p in platform.ready_engines()}
     for client in (client_a, client_b, client_a):  # no error on new requests
         assert uppercase_share(_ask(client)) >= DEMO_CAPITALS
-    (new_holder,) = _serving_pods(platform, before)
-    assert new_holder != holder
+    # Served by the other pod, or also by the deleted pod's replacement when it became ready meanwhile
+    # (the adapter may then be placed there): so "some pod that is not the deleted one".
+    serving = _serving_pods(platform, before)
+    assert serving and holder not in serving, serving
     wait_for(lambda: len(platform.ready_engines()) == 2, timeout=300, what="the replacement engine ready")
 
 
