@@ -74,13 +74,17 @@ test: install-dev lint
 # mypy checks the code under its import names (loraplex.*): a tree of links stands in for the
 # installed package, because mypy cannot follow setuptools' editable-install finder.
 MYPY_TREE := $(VENV)/mypy-tree
+# mypy's incremental cache lives with the user's other caches, not in the checkout: a fresh clone's
+# check then takes ~3 s instead of ~55 on 2 cores. mypy re-checks any file whose contents changed
+# (it compares hashes when a path or mtime differs), so a cache from another checkout is never stale.
+MYPY_CACHE ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/loraplex/mypy
 lint: install-dev
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/hadolint --config .hadolint.yaml images/*.Dockerfile
 	mkdir -p $(MYPY_TREE)/loraplex
 	for d in engine adapters operator web cli bench wire; do ln -sfn "$(CURDIR)/$$d" "$(MYPY_TREE)/loraplex/$$d"; done
-	cd $(MYPY_TREE) && "$(CURDIR)/$(PY)" -m mypy --config-file "$(CURDIR)/pyproject.toml" -p loraplex
+	cd $(MYPY_TREE) && "$(CURDIR)/$(PY)" -m mypy --config-file "$(CURDIR)/pyproject.toml" --cache-dir "$(MYPY_CACHE)" -p loraplex
 
 # The container images the chart and the operator run (images/*.Dockerfile; docs/development.md "Images").
 # `make images TAG=0.2.0 REGISTRY=registry.example.com/loraplex` to name them otherwise.
