@@ -89,7 +89,11 @@ def test_every_completed_output_validates_against_its_schema(
     outputs = engine.generate([prompt, prompt], params)
     for output in outputs:
         assert_valid_unless_cut(output, schema)
-    assert any(o.finish_reason == "stop" for o in outputs), [o.text for o in outputs]
+    # Not vacuous: a schema of bounded fields gets a complete object within 24 tokens. An integer field
+    # has no bound: the greedy row may write digits to the end ('{"name": 1234567890123456789', found on
+    # a fresh clone, 2026-11-28), which is valid so far and cut by max_tokens, not a failure.
+    if all(field.get("type") != "integer" for field in schema["properties"].values()):
+        assert any(o.finish_reason == "stop" for o in outputs), [o.text for o in outputs]
 
 
 def test_free_rows_beside_grammar_rows_keep_their_outputs(engine: LLMEngine) -> None:
