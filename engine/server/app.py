@@ -354,6 +354,12 @@ async def _completion_prompt(
         ids = await asyncio.to_thread(tokenizer.encode, prompt)
     else:
         ids = prompt
+        # Checked here as well as in the engine: echo decodes the ids before the engine sees them.
+        bad = next((t for t in ids if not 0 <= t < engine.vocab_size), None)
+        if bad is not None:
+            raise bad_request(
+                f"prompt token id {bad} is outside this model's vocabulary [0, {engine.vocab_size})", "prompt"
+            )
     echo_text = ""
     if body.echo:
         echo_text = prompt if isinstance(prompt, str) else await asyncio.to_thread(_decode, engine, ids)

@@ -152,6 +152,7 @@ class AsyncEngine:
         # What never changes after the engine is made (read here, before the loop thread starts).
         self.base_shape = engine.base_shape
         self.max_model_len = engine.max_model_len
+        self.vocab_size = engine.loaded.config.vocab_size
         self.tokenizer = engine.tokenizer
         self.page_size = engine.config.page_size
         self.pool_tokens = (engine.stats().num_pages - 1) * self.page_size  # less the zero page

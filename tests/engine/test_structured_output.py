@@ -76,7 +76,14 @@ def schemas(draw: st.DrawFn) -> dict[str, Any]:
     return {"type": "object", "properties": properties, "required": required, "additionalProperties": False}
 
 
-@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+# derandomize: the same three schemas every run, so CI never meets a new example (and minutes of
+# shrinking) by chance; the property still covers schemas no test wrote by hand.
+@settings(
+    max_examples=3,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
 @given(schema=schemas(), seed=st.integers(0, 2**31 - 1))
 def test_every_completed_output_validates_against_its_schema(
     engine: LLMEngine, schema: dict, seed: int
@@ -89,11 +96,14 @@ def test_every_completed_output_validates_against_its_schema(
     outputs = engine.generate([prompt, prompt], params)
     for output in outputs:
         assert_valid_unless_cut(output, schema)
-    # Not vacuous: a schema of bounded fields gets a complete object within 24 tokens. An integer field
-    # has no bound: the greedy row may write digits to the end ('{"name": 1234567890123456789', found on
-    # a fresh clone, 2026-11-28), which is valid so far and cut by max_tokens, not a failure.
+    # Not vacuous: the greedy row of a schema of bounded fields is a complete object. Fresh clones on
+    # 2026-11-28 met the two ways a row is cut with no fault: an integer field has no bound (greedy wrote
+    # '{"name": 1234567890123456789' to the end), and a complete object whose EOS falls past max_tokens
+    # ('{"a": "a", "count": "c", "name": "n"}'). So the greedy row gets room after the object.
     if all(field.get("type") != "integer" for field in schema["properties"].values()):
-        assert any(o.finish_reason == "stop" for o in outputs), [o.text for o in outputs]
+        (roomy,) = engine.generate([prompt], [constrained(schema, max_tokens=64)])
+        assert roomy.finish_reason == "stop", roomy.text
+        jsonschema.validate(json.loads(roomy.text), schema)
 
 
 def test_free_rows_beside_grammar_rows_keep_their_outputs(engine: LLMEngine) -> None:

@@ -201,6 +201,18 @@ def test_token_id_prompts(server: Server) -> None:
     assert by_ids.choices[0].text == by_text.choices[0].text
 
 
+@pytest.mark.parametrize("echo", [False, True])
+@pytest.mark.parametrize("bad", [-1, 49152, 2**63])  # SmolLM2's token ids are 0 to 49151
+def test_a_token_id_outside_the_vocabulary_is_a_400_naming_the_prompt(
+    server: Server, bad: int, echo: bool
+) -> None:
+    """Found by schemathesis (tests/security/test_engine_schema.py) on a fresh clone, 2026-11-28: with echo
+    the server decoded [-1] before the engine's own check and answered 500 (an OverflowError)."""
+    with pytest.raises(openai.BadRequestError) as refused:
+        client(server).completions.create(model=BASE, prompt=[1, bad], max_tokens=2, echo=echo)
+    assert refused.value.param == "prompt" and str(bad) in refused.value.message
+
+
 def test_an_unknown_model_is_not_found_without_a_gateway(make_server: ServerFactory) -> None:
     """`loraplex serve` alone (no internal token): a model it does not serve is a 404. Behind the
     gateway (with the token) the gateway has resolved names already, so there is no such case."""
