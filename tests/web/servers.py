@@ -105,8 +105,9 @@ class StubEngine:
                 "model": body["model"],
                 "choices": [{"index": 0, "delta": {"content": f"t{i} "}, "finish_reason": None}],
             }
-            yield f"data: {json.dumps(chunk)}\n\n".encode()
+            # Counted before it is handed over: the client may read it before this generator resumes.
             self.chunks_sent += 1
+            yield f"data: {json.dumps(chunk)}\n\n".encode()
             if i == 0:
                 await anyio.to_thread.run_sync(self.gate.wait, 20)
         include = (body.get("stream_options") or {}).get("include_usage")
