@@ -14,6 +14,9 @@ DEFAULT_ALLOWED_IMAGES = ("ghcr.io/loraplex/engine:*", "ghcr.io/loraplex/engine@
 @dataclass(frozen=True)
 class OperatorConfig:
     resync_seconds: float = 30.0  # drift repair and status refresh, per InferenceDeployment
+    # The same while an InferenceDeployment is not Ready (rolling out, or its engine crashing): a crash
+    # changes no Deployment field the operator watches, so only a resync shows it in the status.
+    converging_resync_seconds: float = 5.0
     autoscale_seconds: float = 15.0  # builtin autoscaler period (the HPA's default sync period)
     scrape_timeout_seconds: float = 2.0
     request_timeout_seconds: float = 10.0
@@ -35,7 +38,7 @@ class OperatorConfig:
 
     def __post_init__(self) -> None:
         for name, value in vars(self).items():
-            if isinstance(value, float) and value <= 0:
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and value <= 0:
                 raise ValueError(f"{name} is {value}, not positive: fix LORAPLEX_OPERATOR_{name.upper()}")
         for pattern in self.allowed_secrets:
             namespace, slash, name = pattern.partition("/")

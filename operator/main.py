@@ -116,10 +116,19 @@ per_object_daemon = kopf.daemon(
 
 @per_object_daemon
 async def resync(body: kopf.Body, memo: kopf.Memo, stopped: kopf.DaemonStopped, **_: Any) -> None:
-    while not await sleep_unless_stopped(stopped, memo.config.resync_seconds):
+    status: Mapping[str, Any] | None = body.get("status")
+    while not await sleep_unless_stopped(stopped, resync_interval(status, memo.config)):
         if not await still_exists(memo.kube, body):
             return
-        await reconcile_quietly(memo.kube, body, memo.config)
+        status = await reconcile_quietly(memo.kube, body, memo.config)
+
+
+def resync_interval(status: Mapping[str, Any] | None, config: OperatorConfig) -> float:
+    """`converging_resync_seconds` until the status says Ready (a rollout, a crashing engine, a spec not
+    yet reconciled), `resync_seconds` after: a pod's crash shows as EngineFailing within seconds."""
+    conditions = (status or {}).get("conditions") or []
+    ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+    return config.resync_seconds if ready else min(config.converging_resync_seconds, config.resync_seconds)
 
 
 @per_object_daemon
@@ -293,10 +302,13 @@ async def warn(kube: KubeClient, body: Mapping[str, Any], reason: str, message: 
     await events.post(kube, body, events.WARNING, reason, message)
 
 
-async def reconcile_quietly(kube: KubeClient, body: Mapping[str, Any], config: OperatorConfig) -> None:
-    """For triggers outside kopf's retry machinery: failures are logged and retried on the next trigger."""
+async def reconcile_quietly(
+    kube: KubeClient, body: Mapping[str, Any], config: OperatorConfig
+) -> dict[str, Any] | None:
+    """For triggers outside kopf's retry machinery: failures are logged and retried on the next trigger.
+    The status written, or None when the pass failed."""
     try:
-        await reconcile(kube, body, config)
+        return await reconcile(kube, body, config)
     except (kopf.PermanentError, kopf.TemporaryError, KubeError) as error:
         logger.info("reconcile of %s deferred: %s", body.get("metadata", {}).get("name"), error)
 

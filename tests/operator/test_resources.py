@@ -12,7 +12,8 @@ import pytest
 
 from loraplex.operator.apply import is_subset, plan
 from loraplex.operator.config import OperatorConfig
-from loraplex.operator.main import reconcile
+from loraplex.operator import main as operator_main
+from loraplex.operator.main import reconcile, resync_interval
 from loraplex.operator.resources import HASH_ANNOTATION, desired_objects, engine_args
 from loraplex.operator.spec import parse
 from loraplex.operator.status import MAX_FAILURE_MESSAGE, condition, engine_failure, healthy_status
@@ -315,6 +316,65 @@ def test_reconcile_reports_a_model_that_does_not_load() -> None:
     ready = next(c for c in status["conditions"] if c["type"] == "Ready")
     assert ready["reason"] == "EngineFailing" and "NoSuchKey" in ready["message"]
     assert kube.status_patches[-1]["phase"] == "Degraded"
+
+
+def ready_status(ready: bool) -> dict[str, Any]:
+    return {"conditions": [condition("Ready", ready, "R", "", 1), condition("Degraded", not ready, "D", "", 1)]}
+
+
+def test_the_resync_interval_is_short_until_the_status_says_ready() -> None:
+    config = OperatorConfig(resync_seconds=30, converging_resync_seconds=5)
+    assert resync_interval(None, config) == 5  # never reconciled yet
+    assert resync_interval({}, config) == 5
+    assert resync_interval(ready_status(False), config) == 5  # rolling out, or EngineFailing
+    assert resync_interval(ready_status(True), config) == 30
+    assert resync_interval(None, OperatorConfig(resync_seconds=2, converging_resync_seconds=5)) == 2
+    env = {"LORAPLEX_OPERATOR_CONVERGING_RESYNC_SECONDS": "0.5"}
+    assert OperatorConfig.from_env(env).converging_resync_seconds == 0.5
+    with pytest.raises(ValueError, match="CONVERGING_RESYNC_SECONDS"):
+        OperatorConfig(converging_resync_seconds=0)
+
+
+class Stopped:
+    """kopf.DaemonStopped as the daemon reads it: truthy once stopped."""
+
+    def __init__(self) -> None:
+        self.flag = False
+
+    def __bool__(self) -> bool:
+        return self.flag
+
+
+def test_the_resync_daemon_repeats_quickly_while_not_ready_then_waits_the_long_period(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A crashing engine changes no Deployment field the operator watches: only the daemon sees it."""
+    statuses = [ready_status(False), ready_status(False), ready_status(True)]
+    passes: list[int] = []
+
+    async def fake_reconcile(kube: Any, body: Any, config: OperatorConfig) -> dict[str, Any]:
+        passes.append(len(passes))
+        return statuses[min(len(passes), len(statuses)) - 1]
+
+    monkeypatch.setattr(operator_main, "reconcile", fake_reconcile)
+    live = body()
+    kube = FakeKube([])
+    kube.objects[("InferenceDeployment", live["metadata"]["name"])] = live
+    memo = kopf.Memo(kube=kube, config=OperatorConfig(resync_seconds=3600, converging_resync_seconds=0.01))
+
+    async def run() -> None:
+        stopped = Stopped()
+        daemon = asyncio.create_task(operator_main.resync(body=live, memo=memo, stopped=stopped))
+        for _ in range(500):
+            if len(passes) >= 3:
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.3)  # 30 short periods: a fourth pass now would be a bug
+        stopped.flag = True
+        await asyncio.wait_for(daemon, timeout=5)
+
+    asyncio.run(run())
+    assert len(passes) == 3  # two not Ready, 10 ms apart; Ready, then the hour-long period
 
 
 def test_reconcile_rejects_an_unsupported_model_uri_for_good() -> None:
