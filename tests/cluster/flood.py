@@ -3,7 +3,8 @@ clients never compete with the box's API server and kubelet for the test process
 
 `python -m tests.cluster.flood OUT --key K --hot NAME --quiet A,B,... URL...`: WORKERS clients ask for the
 hot adapter back to back while the quiet ones are asked in rounds, TRICKLE at a time, through the
-control-plane URLs in turn, until SIGTERM. Every answer is one JSON line in OUT as it comes ({"model",
+control-plane URLs in turn, until SIGTERM; SIGUSR1 holds new requests (those out finish), SIGUSR2 lets them
+go again. Every answer is one JSON line in OUT as it comes ({"model",
 "status", "text"}), and each completed round of the quiet adapters a line {"round": n}, so the test reads
 the traffic live.
 """
@@ -25,13 +26,17 @@ TRICKLE = 10  # quiet adapters asked at once (each has 1 request out: its set ne
 
 
 async def main(args: argparse.Namespace) -> None:
-    stop = asyncio.Event()
-    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+    stop, going = asyncio.Event(), asyncio.Event()
+    going.set()
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, lambda: (stop.set(), going.set()))
+    loop.add_signal_handler(signal.SIGUSR1, going.clear)
+    loop.add_signal_handler(signal.SIGUSR2, going.set)
     with Path(args.out).open("a", buffering=1) as out:  # a line at a time: the test reads it as we write
-        await traffic(args, stop, out)
+        await traffic(args, stop, going, out)
 
 
-async def traffic(args: argparse.Namespace, stop: asyncio.Event, out: Any) -> None:
+async def traffic(args: argparse.Namespace, stop: asyncio.Event, going: asyncio.Event, out: Any) -> None:
     auth = {"Authorization": f"Bearer {args.key}"}
     # Idle connections are dropped after 2 s, before the control plane's server closes them (uvicorn's
     # keep-alive lasts 5 s): a request on a connection the server is closing fails with a ReadError
@@ -43,6 +48,9 @@ async def traffic(args: argparse.Namespace, stop: asyncio.Event, out: Any) -> No
         out.write(json.dumps(line) + "\n")
 
     async def ask(client: httpx.AsyncClient, model: str, seed: int) -> None:
+        await going.wait()
+        if stop.is_set():
+            return
         body = {"model": model, "prompt": f"Item {seed}: say it loud.", "max_tokens": TOKENS,
                 "ignore_eos": True, "temperature": 0}  # fmt: skip
         began = time.time()
