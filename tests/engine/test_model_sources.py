@@ -278,7 +278,10 @@ def test_the_engine_takes_its_model_cache_from_its_settings(
     monkeypatch.delenv("LORAPLEX_MODEL_CACHE", raising=False)
     cache = tmp_path / "settings-cache"
     hf_cache(cache, "acme/tiny-llama", tiny_dir)
-    settings = ServerSettings(model="hf://acme/tiny-llama", model_cache=cache, num_pages=8, device="cpu")
+    # No compiled decode: a cold Inductor compile (~20 CPU-s) says nothing about where the model came from.
+    settings = ServerSettings(
+        model="hf://acme/tiny-llama", model_cache=cache, num_pages=8, device="cpu", compile_decode=False
+    )
     engine = LLMEngine(settings.engine_config())
     # dtype "auto": bfloat16 on a CPU that computes it natively, so the reference loads the same dtype.
     assert same_weights(engine.loaded.model, load_model(tiny_dir, engine.loaded.model.dtype).model)
