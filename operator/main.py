@@ -311,6 +311,7 @@ async def reconcile_quietly(
         return await reconcile(kube, body, config)
     except (kopf.PermanentError, kopf.TemporaryError, KubeError) as error:
         logger.info("reconcile of %s deferred: %s", body.get("metadata", {}).get("name"), error)
+        return None
 
 
 async def write_status(kube: KubeClient, body: Mapping[str, Any], fields: dict[str, Any]) -> None:

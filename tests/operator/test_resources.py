@@ -10,9 +10,9 @@ import kopf
 import kubernetes_validate
 import pytest
 
+from loraplex.operator import main as operator_main
 from loraplex.operator.apply import is_subset, plan
 from loraplex.operator.config import OperatorConfig
-from loraplex.operator import main as operator_main
 from loraplex.operator.main import reconcile, resync_interval
 from loraplex.operator.resources import HASH_ANNOTATION, desired_objects, engine_args
 from loraplex.operator.spec import parse
@@ -319,7 +319,8 @@ def test_reconcile_reports_a_model_that_does_not_load() -> None:
 
 
 def ready_status(ready: bool) -> dict[str, Any]:
-    return {"conditions": [condition("Ready", ready, "R", "", 1), condition("Degraded", not ready, "D", "", 1)]}
+    conditions = [condition("Ready", ready, "R", "", 1), condition("Degraded", not ready, "D", "", 1)]
+    return {"conditions": conditions}
 
 
 def test_the_resync_interval_is_short_until_the_status_says_ready() -> None:
