@@ -64,11 +64,17 @@ run: install
 generate: install-engine
 	$(VENV)/bin/loraplex generate --chat --prompt "$(PROMPT)"
 
-# Installs everything, checks lint and types, and runs the whole test suite on TEST_WORKERS processes
+# Installs everything, then checks lint and types while the whole test suite runs on TEST_WORKERS processes
 # (pytest-xdist; a module's tests stay on one worker, tests/cluster's modules on one worker one after the
-# other, the longest first: tests/scheduling.py). TEST_WORKERS=0 runs it in this process, in order.
+# other, the longest first: tests/scheduling.py). TEST_WORKERS=0 runs it in this process, in order. Lint
+# runs beside the suite, not before it: mypy's first run is ~40 s on one core, which the suite's waits
+# absorb; either failing fails `make test` (make waits for the other first).
 TEST_WORKERS ?= 2
-test: install-dev lint
+test: install-dev
+	$(MAKE) --no-print-directory -j2 lint pytest
+
+.PHONY: pytest
+pytest: install-dev
 	$(PY) -m pytest -n $(TEST_WORKERS)
 
 # mypy checks the code under its import names (loraplex.*): a tree of links stands in for the
